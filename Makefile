@@ -1,0 +1,50 @@
+# meshrl: asynchronous RL post-training as five services over NATS JetStream and gRPC.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+PYTHON  := $(BIN)/python
+SEED    ?= 0
+NAME    ?= seed$(SEED)
+ALGO    ?= grpo
+STAMP   := $(VENV)/.installed
+
+.PHONY: setup run up down status test test-fast proto lint bench-weights clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PYTHON) || $(PY) -m venv $(VENV)
+	$(PYTHON) -m pip install --quiet --upgrade pip
+	$(PYTHON) -m pip install --quiet torch==2.13.0
+	$(PYTHON) -m pip install --quiet -r requirements.txt
+	touch $(STAMP)
+
+run: setup
+	$(PYTHON) -m launcher run --name $(NAME) --seed $(SEED) --algo $(ALGO)
+
+up: setup
+	$(PYTHON) -m launcher up --seed $(SEED) --algo $(ALGO)
+
+down:
+	$(PYTHON) -m launcher down
+
+status: setup
+	$(PYTHON) -m launcher status
+
+test: setup
+	$(PYTHON) -m pytest -q -ra
+
+test-fast: setup
+	$(PYTHON) -m pytest -q -ra -m "not slow and not e2e"
+
+proto: setup
+	$(PYTHON) scripts/gen_proto.py
+
+lint: setup
+	$(BIN)/ruff check .
+
+bench-weights: setup
+	$(PYTHON) -m bench.weights
+
+clean:
+	rm -rf runs artifacts .stack

@@ -1,0 +1,223 @@
+"""Build the tiny Qwen3 model + character tokenizer, SFT-warm-start it, save a Hugging Face directory.
+
+    python scripts/bootstrap_model.py --out artifacts/models/tiny-add --seed 0
+
+SFT trains on demonstrations from the train split (loss on completion tokens + EOS only) and stops
+as soon as greedy accuracy on the held-out eval split enters the target band (default 25-45%), so
+RL starts from a model that is partly right. Prints one JSON line: held-out accuracy, steps, seconds.
+Deterministic per seed (CPU, fixed thread count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.builder.datasets import Task, demonstration, extract_answer, generate_split  # noqa: E402
+from services.trainer.models import TinyQwen3Config, build_tokenizer, padded_vocab_size  # noqa: E402
+
+# Defaults found with scripts/rl_feasibility.py (see its docstring).
+MODEL = TinyQwen3Config(num_hidden_layers=2)
+SFT_LR = 3e-3
+SFT_BATCH = 64
+SFT_MAX_STEPS = 3000
+SFT_EVAL_EVERY = 10
+SFT_WARMUP = 20
+BAND = (0.25, 0.40)
+EVAL_NUM = 200
+EVAL_SEED = 0
+TRAIN_NUM = 8_000
+
+
+def is_correct(completion: str, reference: str) -> bool:
+    """The reward service's check: math_verify on the extracted answer (fast path for plain integers)."""
+    extracted = extract_answer(completion)
+    if extracted is None:
+        return False
+    if extracted.lstrip("-").isdigit() and reference.lstrip("-").isdigit():
+        return int(extracted) == int(reference)
+    import math_verify
+
+    return bool(math_verify.verify(math_verify.parse(reference), math_verify.parse(extracted)))
+
+
+def encode_prompts(tokenizer, tasks: list[Task]) -> list[list[int]]:
+    return [tokenizer.encode(t.prompt, add_special_tokens=False) for t in tasks]
+
+
+def sft_batch(tokenizer, tasks: list[Task]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded input ids, attention mask, labels (-100 except completion tokens and EOS)."""
+    eos = tokenizer.eos_token_id
+    seqs, labels = [], []
+    for t in tasks:
+        p = tokenizer.encode(t.prompt, add_special_tokens=False)
+        c = tokenizer.encode(demonstration(t), add_special_tokens=False) + [eos]
+        seqs.append(p + c)
+        labels.append([-100] * len(p) + c)
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), eos, dtype=torch.long)
+    lab = torch.full((len(seqs), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, (s, lb) in enumerate(zip(seqs, labels)):
+        ids[i, : len(s)] = torch.tensor(s)
+        lab[i, : len(lb)] = torch.tensor(lb)
+        mask[i, : len(s)] = 1
+    return ids, mask, lab
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+             top_p: float = 1.0, generator: torch.Generator | None = None) -> tuple[list[list[int]], list[list[float]]]:
+    """Batched sampling with a KV cache (left padding). Returns completion ids (EOS included when
+    produced) and their log-probs under the sampling distribution at temperature 1 (behaviour log-probs)."""
+    eos = tokenizer.eos_token_id
+    b = len(prompts)
+    width = max(len(p) for p in prompts)
+    ids = torch.full((b, width), eos, dtype=torch.long)
+    mask = torch.zeros((b, width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+    past = out.past_key_values
+    logits = out.logits[:, -1, :]
+    next_pos = pos[:, -1:] + 1
+    done = torch.zeros(b, dtype=torch.bool)
+    comp: list[list[int]] = [[] for _ in range(b)]
+    lps: list[list[float]] = [[] for _ in range(b)]
+    for _ in range(max_new_tokens):
+        logits = logits.float()
+        logp = torch.log_softmax(logits, dim=-1)
+        if temperature <= 0:
+            tok = logits.argmax(-1)
+        else:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            if top_p < 1.0:
+                sp, si = probs.sort(-1, descending=True)
+                keep = sp.cumsum(-1) - sp < top_p
+                sp = sp * keep
+                probs = torch.zeros_like(probs).scatter(-1, si, sp)
+            tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        tok_lp = logp.gather(-1, tok[:, None]).squeeze(-1)
+        for i in range(b):
+            if not done[i]:
+                comp[i].append(int(tok[i]))
+                lps[i].append(float(tok_lp[i]))
+        done |= tok == eos
+        if bool(done.all()):
+            break
+        mask = torch.cat([mask, torch.ones((b, 1), dtype=torch.long)], dim=-1)
+        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos, past_key_values=past,
+                    use_cache=True)
+        past = out.past_key_values
+        logits = out.logits[:, -1, :]
+        next_pos = next_pos + 1
+    return comp, lps
+
+
+def decode(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, tasks: list[Task], max_new_tokens: int = 8, batch: int = 256) -> float:
+    was_training = model.training
+    model.eval()
+    correct = 0
+    for s in range(0, len(tasks), batch):
+        chunk = tasks[s: s + batch]
+        comps, _ = generate(model, tokenizer, encode_prompts(tokenizer, chunk), max_new_tokens)
+        correct += sum(is_correct(decode(tokenizer, c), t.answer) for c, t in zip(comps, chunk))
+    model.train(was_training)
+    return correct / max(len(tasks), 1)
+
+
+def build(seed: int, cfg: TinyQwen3Config = MODEL):
+    torch.manual_seed(seed)
+    tokenizer = build_tokenizer()
+    model = cfg.build(padded_vocab_size(tokenizer), tokenizer.eos_token_id)
+    return tokenizer, model
+
+
+def sft(model, tokenizer, seed: int, lr: float = SFT_LR, batch: int = SFT_BATCH, max_steps: int = SFT_MAX_STEPS,
+        eval_every: int = SFT_EVAL_EVERY, band: tuple[float, float] = BAND, eval_tasks: list[Task] | None = None,
+        log=None) -> dict:
+    """SFT until held-out greedy accuracy is inside ``band`` (or max_steps). Returns a summary."""
+    torch.manual_seed(seed)
+    train = generate_split("train", TRAIN_NUM, seed)
+    eval_tasks = eval_tasks if eval_tasks is not None else generate_split("eval", EVAL_NUM, EVAL_SEED)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / SFT_WARMUP))
+    g = torch.Generator().manual_seed(seed)
+    model.train()
+    t0 = time.perf_counter()
+    acc, step, loss_v = 0.0, 0, float("nan")
+    history = []
+    for step in range(1, max_steps + 1):
+        idx = torch.randint(len(train), (batch,), generator=g).tolist()
+        ids, mask, lab = sft_batch(tokenizer, [train[i] for i in idx])
+        loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        loss_v = float(loss.detach())
+        if step % eval_every == 0:
+            acc = greedy_accuracy(model, tokenizer, eval_tasks)
+            history.append((step, round(acc, 3)))
+            if log:
+                log({"phase": "sft", "step": step, "loss": round(loss_v, 4), "heldout_acc": acc,
+                     "t": round(time.perf_counter() - t0, 2)})
+            if band[0] <= acc <= band[1]:
+                break
+            if acc > band[1]:
+                break
+    model.eval()
+    return {"sft_steps": step, "sft_loss": round(loss_v, 4), "heldout_acc": acc, "history": history,
+            "sft_seconds": round(time.perf_counter() - t0, 2)}
+
+
+def save(model, tokenizer, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("MESHRL_TORCH_THREADS", "2")))
+    ap.add_argument("--band", type=float, nargs=2, default=BAND, metavar=("LO", "HI"))
+    ap.add_argument("--max-steps", type=int, default=SFT_MAX_STEPS)
+    ap.add_argument("--lr", type=float, default=SFT_LR)
+    ap.add_argument("--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    tokenizer, model = build(args.seed)
+    log = (lambda rec: print(json.dumps(rec), file=sys.stderr, flush=True)) if args.verbose else None
+    summary = sft(model, tokenizer, args.seed, lr=args.lr, max_steps=args.max_steps, band=tuple(args.band), log=log)
+    save(model, tokenizer, args.out)
+    print(json.dumps({
+        "out": str(args.out), "seed": args.seed, "heldout_acc": summary["heldout_acc"],
+        "sft_steps": summary["sft_steps"], "sft_loss": summary["sft_loss"],
+        "params": sum(p.numel() for p in model.parameters()), "vocab_size": model.config.vocab_size,
+        "seconds": round(time.perf_counter() - t0, 2),
+    }), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

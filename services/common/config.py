@@ -1,0 +1,141 @@
+"""Typed service configuration: dataclass defaults, then a YAML file, then environment overrides.
+
+Environment keys look like `MESHRL_<SERVICE>__<KEY>` (nested: `MESHRL_TRAINER__ALGO__EPS_CLIP`).
+Values are parsed as YAML scalars/lists, then checked against the field type; an unknown or
+ill-typed key raises `ConfigError` naming it, which stops start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown or has the wrong type."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class ServiceConfig:
+    """Settings every service has."""
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    grpc_address: str = "127.0.0.1:0"
+    metrics_port: int = 0  # 0: pick a free port; -1: no metrics endpoint
+    auth_token: str = ""
+    log_level: str = "info"
+    run_dir: str = "runs/default"
+
+
+def load_config(cls: type[T], service: str, *, path: str | os.PathLike | None = None,
+                env: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None) -> T:
+    """Build `cls` from defaults, the YAML file at `path` (or `MESHRL_<SERVICE>_CONFIG`), env and overrides."""
+    env = os.environ if env is None else env
+    prefix = f"MESHRL_{service.upper()}__"
+    path = path or env.get(f"MESHRL_{service.upper()}_CONFIG")
+    values: dict[str, Any] = {}
+    if path:
+        loaded = yaml.safe_load(pathlib.Path(path).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: top level must be a mapping")
+        _merge(values, loaded)
+    for key, raw in env.items():
+        if key.startswith(prefix):
+            parts = [p.lower() for p in key[len(prefix):].split("__")]
+            _merge(values, _nest(parts, yaml.safe_load(raw) if raw != "" else ""))
+    if overrides:
+        _merge(values, dict(overrides))
+    return _build(cls, values, service)
+
+
+def _nest(parts: list[str], value: Any) -> dict[str, Any]:
+    out: Any = value
+    for part in reversed(parts):
+        out = {part: out}
+    return out
+
+
+def _merge(dst: dict[str, Any], src: Mapping[str, Any]) -> None:
+    for key, value in src.items():
+        if isinstance(value, Mapping) and isinstance(dst.get(key), dict):
+            _merge(dst[key], value)
+        else:
+            dst[key] = dict(value) if isinstance(value, Mapping) else value
+
+
+def _build(cls: type[T], values: Mapping[str, Any], where: str) -> T:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in fields:
+            raise ConfigError(f"{where}.{key}: unknown key (known: {', '.join(sorted(fields))})")
+        kwargs[key] = _coerce(hints[key], value, f"{where}.{key}")
+    try:
+        return cls(**kwargs)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+
+
+def _coerce(hint: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return _build(hint, value, where)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
+    if origin is typing.Literal:
+        if value not in typing.get_args(hint):
+            raise ConfigError(f"{where}: expected one of {typing.get_args(hint)}, got {value!r}")
+        return value
+    if origin in (list, tuple):
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        (item,) = typing.get_args(hint)[:1] or (Any,)
+        return [_coerce(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if hint is Any:
+        return value
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if hint is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if hint is str:
+        if isinstance(value, str | int | float) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    raise ConfigError(f"{where}: unsupported type {hint!r}")

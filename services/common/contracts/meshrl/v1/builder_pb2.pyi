@@ -1,0 +1,36 @@
+from services.common.contracts.meshrl.v1 import common_pb2 as _common_pb2
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class BuilderStatus(_message.Message):
+    __slots__ = ("policy_version", "max_staleness", "batch_size", "groups_issued", "groups_in_flight", "groups_accepted", "batches_published", "trajectories_received", "trajectories_dropped_stale", "capacity", "paused", "mean_reward", "dead_lettered")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_ISSUED_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORIES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORIES_DROPPED_STALE_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    MEAN_REWARD_FIELD_NUMBER: _ClassVar[int]
+    DEAD_LETTERED_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    max_staleness: int
+    batch_size: int
+    groups_issued: int
+    groups_in_flight: int
+    groups_accepted: int
+    batches_published: int
+    trajectories_received: int
+    trajectories_dropped_stale: int
+    capacity: int
+    paused: bool
+    mean_reward: float
+    dead_lettered: int
+    def __init__(self, policy_version: _Optional[int] = ..., max_staleness: _Optional[int] = ..., batch_size: _Optional[int] = ..., groups_issued: _Optional[int] = ..., groups_in_flight: _Optional[int] = ..., groups_accepted: _Optional[int] = ..., batches_published: _Optional[int] = ..., trajectories_received: _Optional[int] = ..., trajectories_dropped_stale: _Optional[int] = ..., capacity: _Optional[int] = ..., paused: _Optional[bool] = ..., mean_reward: _Optional[float] = ..., dead_lettered: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,46 @@
+from services.common.contracts.meshrl.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("verifier", "response", "metadata")
+    VERIFIER_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    verifier: str
+    response: str
+    metadata: bytes
+    def __init__(self, verifier: _Optional[str] = ..., response: _Optional[str] = ..., metadata: _Optional[bytes] = ...) -> None: ...
+
+class ScoreReply(_message.Message):
+    __slots__ = ("reward", "detail")
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    reward: float
+    detail: str
+    def __init__(self, reward: _Optional[float] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class ListVerifiersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListVerifiersReply(_message.Message):
+    __slots__ = ("verifiers",)
+    VERIFIERS_FIELD_NUMBER: _ClassVar[int]
+    verifiers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, verifiers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RewardStatus(_message.Message):
+    __slots__ = ("scored", "dead_lettered", "mean_reward")
+    SCORED_FIELD_NUMBER: _ClassVar[int]
+    DEAD_LETTERED_FIELD_NUMBER: _ClassVar[int]
+    MEAN_REWARD_FIELD_NUMBER: _ClassVar[int]
+    scored: int
+    dead_lettered: int
+    mean_reward: float
+    def __init__(self, scored: _Optional[int] = ..., dead_lettered: _Optional[int] = ..., mean_reward: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,42 @@
+"""Process entry point shared by every service: config, logging, signals, metrics."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from services.common.config import ConfigError, ServiceConfig, load_config
+from services.common.logging import configure_logging, get_logger
+from services.common.metrics import start_metrics_server
+
+C = TypeVar("C", bound=ServiceConfig)
+
+
+def main(service: str, config_cls: type[C], serve: Callable[[C, asyncio.Event], Awaitable[None]],
+         argv: list[str] | None = None) -> None:
+    """`python -m services.<service> [--config file.yaml]`: run until SIGTERM / SIGINT, then shut down cleanly."""
+    parser = argparse.ArgumentParser(prog=f"python -m services.{service}")
+    parser.add_argument("--config", help="YAML config file (env MESHRL_<SERVICE>__<KEY> overrides it)")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(config_cls, service, path=args.config)
+    except (ConfigError, OSError) as exc:
+        print(f"meshrl {service}: configuration error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
+    configure_logging(service, config.log_level)
+    asyncio.run(_run(service, config, serve))
+
+
+async def _run(service: str, config: C, serve: Callable[[C, asyncio.Event], Awaitable[None]]) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    metrics_port = start_metrics_server(config.metrics_port)
+    get_logger().info("starting", metrics_port=metrics_port)
+    await serve(config, stop)
+    get_logger().info("stopped")

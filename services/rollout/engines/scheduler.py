@@ -1,0 +1,90 @@
+"""Pure scheduling: which sequences form the running batch, and what a sampled token does to them.
+
+No torch here, so the policy is testable without a model. The batch is static between rebuilds:
+a rebuild (re-prefill of every running context) happens when the batch is first formed, after a
+weight update (the KV cache is stale), when enough slots are free to admit waiting sequences, or
+when at least half the rows have finished (compaction).
+"""
+
+from __future__ import annotations
+
+import collections
+
+from services.rollout.engines.sequence import Sequence, Status
+
+
+class Scheduler:
+    def __init__(self, *, max_batch: int, eos_token_id: int, max_context: int, refill_fraction: float = 0.25) -> None:
+        assert max_batch > 0
+        self.max_batch = max_batch
+        self.eos_token_id = eos_token_id
+        self.max_context = max_context
+        self.refill_slots = max(1, int(max_batch * refill_fraction))
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.batch: list[Sequence] = []  # rows of the current KV cache, finished ones included
+        self.stale = True
+
+    def add(self, seq: Sequence) -> None:
+        if len(seq.prompt_ids) >= self.max_context:
+            raise ValueError(f"prompt_ids: {len(seq.prompt_ids)} tokens, the engine holds at most {self.max_context - 1}")
+        self.waiting.append(seq)
+
+    @property
+    def running(self) -> list[Sequence]:
+        return [s for s in self.batch if s.status is Status.RUNNING]
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(s.status is Status.RUNNING for s in self.batch)
+
+    def invalidate(self) -> None:
+        """The weights changed: the next step must rebuild the KV cache."""
+        self.stale = True
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """Returns (rows, rebuild). rebuild=True: prefill every row's full context; else decode one token."""
+        running = self.running
+        free = self.max_batch - len(running)
+        finished_rows = len(self.batch) - len(running)
+        admit = self.waiting and (free >= self.refill_slots or not running)
+        if self.stale or admit or (finished_rows and finished_rows * 2 >= len(self.batch)):
+            while self.waiting and len(running) < self.max_batch:
+                seq = self.waiting.popleft()
+                seq.status = Status.RUNNING
+                running.append(seq)
+            self.batch = running
+            self.stale = False
+            return self.batch, True
+        return self.batch, False
+
+    def postprocess(self, rows: list[Sequence], tokens: list[int], logprobs: list[float], version: int) -> list[Sequence]:
+        """Append each row's sampled token; returns the sequences that finished on this step."""
+        assert len(rows) == len(tokens) == len(logprobs)
+        done = []
+        for seq, token, logprob in zip(rows, tokens, logprobs, strict=True):
+            if seq.status is not Status.RUNNING:
+                continue
+            seq.output_ids.append(token)
+            seq.logprobs.append(logprob)
+            seq.versions.append(version)
+            reason = self._finish_reason(seq, token)
+            if reason:
+                seq.status = Status.FINISHED
+                seq.finish_reason = reason
+                done.append(seq)
+        return done
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str:
+        if token == self.eos_token_id or token in seq.sampling.stop_token_ids:
+            return "stop"
+        if len(seq.output_ids) >= seq.sampling.max_new_tokens or len(seq.context) >= self.max_context:
+            return "length"
+        return ""
+
+    def abort_all(self) -> list[Sequence]:
+        aborted = list(self.waiting) + self.running
+        self.waiting.clear()
+        for seq in aborted:
+            seq.status = Status.FINISHED
+            seq.finish_reason = "abort"
+        self.batch = []
+        return aborted

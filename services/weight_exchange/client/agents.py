@@ -1,0 +1,185 @@
+"""Sender agent (inside trainer ranks) and receiver agent (inside inference ranks)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+
+import grpc
+import torch
+
+from services.common.contracts import weight_exchange_pb2 as wx_pb2
+from services.common.contracts import weight_exchange_pb2_grpc as wx_grpc
+from services.common.logging import get_logger
+from services.common.rpc import Servicer, channel, invalid_argument
+from services.weight_exchange.client.layout import RECEIVER, SENDER, RankLayout, Shard
+from services.weight_exchange.client.layouts.hf import dedupe_tied, hf_full_shards
+from services.weight_exchange.client.sink import pull_all
+from services.weight_exchange.client.source import SenderServer
+from services.weight_exchange.client.transfer import Transfer
+from services.weight_exchange.client.wire import TransferTimeout, TransportError
+
+log = get_logger()
+
+
+class _Client:
+    """A lazily opened channel to the weight-exchange service."""
+
+    def __init__(self, wx_address: str, token: str) -> None:
+        self.wx_address = wx_address
+        self.token = token
+        self._channel: grpc.aio.Channel | None = None
+
+    @property
+    def stub(self) -> wx_grpc.WeightExchangeServiceStub:
+        if self._channel is None:
+            self._channel = channel(self.wx_address, token=self.token)
+        return wx_grpc.WeightExchangeServiceStub(self._channel)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+
+class SenderAgent:
+    """Serves this trainer rank's parameters to receivers and asks the service for updates.
+
+    `params` maps local names to tensors (for a plain HF model: canonical names, full tensors); `shards`
+    describes them (default: a full HF model on one rank). Parameters must not change while `sync` runs.
+    """
+
+    def __init__(self, rank_id: str, params: Mapping[str, torch.Tensor], wx_address: str, token: str = "",
+                 transports: Sequence[str] = ("tcp", "shm"), host: str = "127.0.0.1", *,
+                 shards: Sequence[Shard] | None = None, framework: str = "hf",
+                 parallel: Mapping[str, int] | None = None) -> None:
+        self.rank_id = rank_id
+        self.params = dedupe_tied(params)
+        self.shards = list(shards) if shards is not None else hf_full_shards(self.params)
+        self.framework = framework
+        self.parallel = dict(parallel or {})
+        self.host = host
+        self.server = SenderServer(rank_id, self.params, host, tuple(transports))
+        self.endpoints: dict[str, str] = {}
+        self._client = _Client(wx_address, token)
+
+    def layout(self) -> RankLayout:
+        return RankLayout(self.rank_id, SENDER, self.framework, self.shards, self.parallel,
+                          endpoints=self.endpoints, host=self.host)
+
+    async def start(self) -> None:
+        """Open the data endpoints and register this rank's layout (role SENDER)."""
+        self.endpoints = await asyncio.to_thread(self.server.start)
+        await self.register()
+
+    async def register(self) -> wx_pb2.RegisterReply:
+        layout = self.layout()
+        layout.validate()
+        return await self._client.stub.Register(wx_pb2.RegisterRequest(layout=layout.to_proto()), timeout=30.0)
+
+    async def sync(self, version: int, timeout: float = 60.0, *, transport: str = "",
+                   verify: bool = False) -> wx_pb2.SyncReply:
+        """Ask the service to deploy `version`; returns once every receiver has it (raises grpc.aio.AioRpcError)."""
+        request = wx_pb2.SyncRequest(version=version, transport=transport, verify=verify)
+        return await self._client.stub.Sync(request, timeout=timeout)
+
+    async def plan(self, transport: str = "", include_transfers: bool = False) -> wx_pb2.PlanReply:
+        request = wx_pb2.PlanRequest(transport=transport, include_transfers=include_transfers)
+        return await self._client.stub.Plan(request, timeout=60.0)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.server.stop)
+        await self._client.close()
+
+
+class ReceiverAgent:
+    """Receives updates into the live tensors of an inference rank (in place, under torch.no_grad).
+
+    `on_pause()` returns once generation is paused at a decode boundary; `on_resume(version)` rebuilds the
+    KV cache and continues. A failed or timed-out update resumes at the old version.
+    """
+
+    def __init__(self, rank_id: str, params: Mapping[str, torch.Tensor], wx_address: str, token: str = "", *,
+                 on_pause: Callable[[], Awaitable[None]] | None = None,
+                 on_resume: Callable[[int], Awaitable[None]] | None = None,
+                 shards: Sequence[Shard] | None = None, framework: str = "embedded",
+                 parallel: Mapping[str, int] | None = None, host: str = "127.0.0.1", version: int = 0) -> None:
+        self.rank_id = rank_id
+        self.params = {k: v.detach() for k, v in dedupe_tied(params).items()}
+        self.shards = list(shards) if shards is not None else hf_full_shards(self.params)
+        self.framework = framework
+        self.parallel = dict(parallel or {})
+        self.host = host
+        self.version = version
+        self.agent_address = ""
+        self._on_pause = on_pause
+        self._on_resume = on_resume
+        self._lock = asyncio.Lock()
+        self._client = _Client(wx_address, token)
+
+    def layout(self) -> RankLayout:
+        return RankLayout(self.rank_id, RECEIVER, self.framework, self.shards, self.parallel,
+                          agent_address=self.agent_address, host=self.host)
+
+    def servicer(self) -> Servicer:
+        """The WeightAgentService to host on the inference process's gRPC server."""
+        return Servicer(wx_grpc.add_WeightAgentServiceServicer_to_server, _AgentServicer(self),
+                        wx_pb2.DESCRIPTOR.services_by_name["WeightAgentService"].full_name)
+
+    async def register(self, agent_address: str) -> wx_pb2.RegisterReply:
+        """Register this rank's layout (role RECEIVER); `agent_address` is where `servicer()` is hosted."""
+        self.agent_address = agent_address
+        layout = self.layout()
+        layout.validate()
+        return await self._client.stub.Register(wx_pb2.RegisterRequest(layout=layout.to_proto()), timeout=30.0)
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    async def apply(self, request: wx_pb2.ApplyRequest, context: grpc.aio.ServicerContext) -> wx_pb2.ApplyReply:
+        if request.version < 0:
+            await invalid_argument(context, "version", f"must be >= 0, got {request.version}")
+        if request.timeout_seconds <= 0:
+            await invalid_argument(context, "timeout_seconds", "must be positive")
+        transfers = [Transfer.from_proto(t) for t in request.transfers]
+        for i, t in enumerate(transfers):
+            if t.dst != self.rank_id:
+                await invalid_argument(context, f"transfers[{i}].dst_rank_id", f"{t.dst!r} is not {self.rank_id!r}")
+        async with self._lock:
+            old = self.version
+            try:
+                if self._on_pause is not None:
+                    await self._on_pause()
+            except Exception as exc:
+                await self._resume(old)
+                log.warning("pause_failed", rank_id=self.rank_id, version=request.version, error=str(exc))
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.rank_id}: pause failed: {exc}")
+            try:
+                result = await asyncio.to_thread(
+                    pull_all, self.rank_id, self.params, transfers, dict(request.sender_endpoints),
+                    request.transport, request.timeout_seconds, verify=request.verify, version=request.version)
+            except (ValueError, TransportError) as exc:
+                await self._resume(old)
+                log.warning("apply_failed", rank_id=self.rank_id, version=request.version, error=str(exc))
+                code = (grpc.StatusCode.INVALID_ARGUMENT if isinstance(exc, ValueError) else
+                        grpc.StatusCode.DEADLINE_EXCEEDED if isinstance(exc, TransferTimeout) else
+                        grpc.StatusCode.ABORTED)
+                await context.abort(code, f"{self.rank_id}: {exc}")
+            self.version = request.version
+            await self._resume(request.version)
+        log.info("applied", rank_id=self.rank_id, version=request.version, bytes=result.bytes_received,
+                 seconds=round(result.seconds, 4), plan_hash=request.plan_hash)
+        return wx_pb2.ApplyReply(bytes_received=result.bytes_received, seconds=result.seconds,
+                                 checksum=result.checksum)
+
+    async def _resume(self, version: int) -> None:
+        if self._on_resume is not None:
+            await self._on_resume(version)
+
+
+class _AgentServicer(wx_grpc.WeightAgentServiceServicer):
+    def __init__(self, agent: ReceiverAgent) -> None:
+        self.agent = agent
+
+    async def Apply(self, request, context):  # noqa: N802 - gRPC method name
+        return await self.agent.apply(request, context)

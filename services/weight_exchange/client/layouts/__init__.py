@@ -1,0 +1,1 @@
+"""Layout providers: which canonical regions a rank of a given framework and parallelism holds."""

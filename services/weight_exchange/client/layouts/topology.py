@@ -1,0 +1,118 @@
+"""A side of a transfer described as text (`megatron:tp=4,pp=2,ep=8`, `vllm:tp=4,dp=2`) and its ranks.
+
+Frameworks: hf (full model per rank), fsdp2 (dp dim-0 shards), embedded (full, inference), megatron,
+vllm, sglang. Megatron global rank order is tp fastest, then dp, then pp; inside a pipeline stage the
+tp x dp ranks are regrouped as etp (fastest) x ep x expert-dp for the experts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from services.weight_exchange.client.layout import RECEIVER, SENDER, RankLayout, Shard
+from services.weight_exchange.client.layouts.common import even
+from services.weight_exchange.client.layouts.hf import fsdp2_shards, hf_shards
+from services.weight_exchange.client.layouts.inference import InferenceParallel, inference_shards
+from services.weight_exchange.client.layouts.megatron import MegatronParallel, megatron_shards
+from services.weight_exchange.client.layouts.model import ModelSpec
+
+FRAMEWORKS = {"hf": ("dp",), "fsdp2": ("dp",), "embedded": ("dp",),
+              "megatron": ("tp", "pp", "ep", "etp", "dp"), "vllm": ("tp", "ep", "dp"), "sglang": ("tp", "ep", "dp")}
+SENDING = ("hf", "fsdp2", "megatron")
+RECEIVING = ("embedded", "hf", "vllm", "sglang", "megatron", "fsdp2")
+
+
+@dataclasses.dataclass(frozen=True)
+class Side:
+    framework: str
+    sizes: dict[str, int]
+
+    def __str__(self) -> str:
+        return self.framework + ":" + ",".join(f"{k}={v}" for k, v in self.sizes.items() if v != 1) \
+            if any(v != 1 for v in self.sizes.values()) else self.framework
+
+    def get(self, key: str) -> int:
+        return self.sizes.get(key, 1)
+
+    @property
+    def world(self) -> int:
+        if self.framework == "megatron":
+            return self.get("tp") * self.get("pp") * self.get("dp")
+        if self.framework in ("vllm", "sglang"):
+            return self.get("tp") * self.get("dp")
+        return self.get("dp")
+
+
+def parse_side(text: str, field: str = "side") -> Side:
+    """`megatron:tp=4,pp=2,ep=8` -> Side; ValueError naming `field` on bad input."""
+    framework, _, rest = text.partition(":")
+    if framework not in FRAMEWORKS:
+        raise ValueError(f"{field}: unknown framework {framework!r} (known: {', '.join(FRAMEWORKS)})")
+    sizes: dict[str, int] = {}
+    for part in filter(None, rest.split(",")):
+        key, _, value = part.partition("=")
+        if key not in FRAMEWORKS[framework]:
+            raise ValueError(f"{field}: {framework} takes {', '.join(FRAMEWORKS[framework])}, not {key!r}")
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{field}: {key} must be a positive integer, got {value!r}")
+        sizes[key] = int(value)
+    return Side(framework, sizes)
+
+
+def megatron_parallel(side: Side, rank: int) -> MegatronParallel:
+    tp, pp, dp, ep = side.get("tp"), side.get("pp"), side.get("dp"), side.get("ep")
+    etp = side.get("etp") if "etp" in side.sizes else tp   # Megatron's default: expert TP = TP
+    if (tp * dp) % (ep * etp):
+        raise ValueError(f"side: ep {ep} x etp {etp} must divide tp {tp} x dp {dp} (Megatron's expert groups; "
+                         f"set etp)")
+    tp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
+    k = tp_rank + tp * dp_rank
+    return MegatronParallel(tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank, ep=ep, ep_rank=(k // etp) % ep,
+                            etp=etp, etp_rank=k % etp, dp=dp, dp_rank=dp_rank)
+
+
+def rank_shards(spec: ModelSpec, side: Side, rank: int, dtype: str | None = None) -> tuple[list[Shard], dict[str, int]]:
+    """The shards of global rank `rank` of a side, and its parallel coordinates."""
+    dtype = dtype or spec.dtype
+    if not 0 <= rank < side.world:
+        raise ValueError(f"rank: {rank} is outside [0, {side.world}) for {side}")
+    fw = side.framework
+    if fw in ("hf", "embedded"):
+        shards = [s for name, shape in spec.canonical().items() for s in hf_shards(name, shape, dtype)]
+        return shards, {"dp_rank": rank, "dp_size": side.get("dp")}
+    if fw == "fsdp2":
+        canon = spec.canonical()
+        local = {}
+        for name, shape in canon.items():
+            chunk = -(-shape[0] // side.get("dp"))
+            rows = max(0, min(shape[0], (rank + 1) * chunk) - min(shape[0], rank * chunk))
+            local[name] = _Meta((rows, *shape[1:]), dtype)
+        return fsdp2_shards(local, rank, side.get("dp"), canon), {"dp_rank": rank, "dp_size": side.get("dp")}
+    if fw == "megatron":
+        par = megatron_parallel(side, rank)
+        return megatron_shards(spec, par, dtype), par.as_dict()
+    tp, dp, ep = side.get("tp"), side.get("dp"), side.get("ep")
+    even(side.world, dp, rank // tp, "dp")
+    par = InferenceParallel(tp=tp, tp_rank=rank % tp, ep=ep, dp=dp, dp_rank=rank // tp, engine=fw)
+    return inference_shards(spec, par, dtype), par.as_dict()
+
+
+def side_layouts(spec: ModelSpec, side: Side, role: str, prefix: str, dtype: str | None = None) -> list[RankLayout]:
+    """Layouts of every rank of a side (rank ids `<prefix>-<rank>`), without endpoints or addresses."""
+    if role == SENDER and side.framework not in SENDING:
+        raise ValueError(f"src: {side.framework} cannot send (senders: {', '.join(SENDING)})")
+    if role == RECEIVER and side.framework not in RECEIVING:
+        raise ValueError(f"dst: {side.framework} cannot receive (receivers: {', '.join(RECEIVING)})")
+    out = []
+    for rank in range(side.world):
+        shards, parallel = rank_shards(spec, side, rank, dtype)
+        out.append(RankLayout(f"{prefix}-{rank}", role, side.framework, shards, parallel))
+    return out
+
+
+class _Meta:
+    """Shape and dtype standing in for a local tensor (layouts without memory)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: str) -> None:
+        self.shape = shape
+        self.dtype = dtype

@@ -1,0 +1,82 @@
+"""Framing on the sender's control connection, and byte views of tensors. Blocking sockets (run in threads)."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+import zlib
+from typing import Any
+
+import msgpack
+import torch
+
+from services.weight_exchange.client.regions import Region
+
+_LEN = struct.Struct("!I")
+MAX_FRAME = 256 << 20
+
+
+class TransportError(RuntimeError):
+    """A transfer failed; the message names the ranks and the tensor."""
+
+
+class TransferTimeout(TransportError):
+    """A transfer ran past its deadline."""
+
+
+def send_frame(sock: socket.socket, obj: Any) -> None:
+    data = msgpack.packb(obj, use_bin_type=True)
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def recv_frame(sock: socket.socket) -> Any:
+    (n,) = _LEN.unpack(recv_exact(sock, _LEN.size))
+    if n > MAX_FRAME:
+        raise TransportError(f"frame of {n} bytes exceeds {MAX_FRAME}")
+    return msgpack.unpackb(recv_exact(sock, n), raw=False)
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def recv_into(sock: socket.socket, view: memoryview) -> None:
+    got, n = 0, len(view)
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise TransportError("connection closed by the peer")
+        got += k
+
+
+def set_deadline(sock: socket.socket, deadline: float) -> None:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TransferTimeout("deadline passed")
+    sock.settimeout(left)
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous tensor, without copying (writable)."""
+    assert t.is_contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def region_view(t: torch.Tensor, region: Region) -> torch.Tensor:
+    return t[region.slices()] if region.ndim else t
+
+
+def crc(t: torch.Tensor) -> int:
+    return zlib.crc32(byte_view(t if t.is_contiguous() else t.contiguous()))
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype: unknown {name!r}")
+    return dtype

@@ -1,0 +1,28 @@
+"""The weight-exchange service's configuration (env: MESHRL_WEIGHT_EXCHANGE__<KEY>)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from services.common.config import ServiceConfig
+from services.weight_exchange.client.transports import KNOWN
+
+
+@dataclasses.dataclass(kw_only=True)
+class WeightExchangeConfig(ServiceConfig):
+    grpc_address: str = "127.0.0.1:50055"
+    default_transport: str = "tcp"
+    bucket_bytes: int = 64 << 20        # transfers are coalesced into buckets of at most this size per link
+    transfer_timeout: float = 120.0     # per receiver: every transfer of one update
+    control_timeout: float = 60.0       # per receiver: pause + resume on top of the transfers
+    verify: bool = False                # checksum pass after every update (a Sync may also ask for it)
+    agent_token: str = ""               # bearer token for the receivers' agents (default: auth_token)
+    publish_events: bool = True         # VERSION_KIND_DEPLOYED on events.version after each successful Sync
+
+    def __post_init__(self) -> None:
+        if self.default_transport not in KNOWN:
+            raise ValueError(f"default_transport: unknown {self.default_transport!r} (known: {', '.join(KNOWN)})")
+        if self.bucket_bytes <= 0:
+            raise ValueError("bucket_bytes: must be positive")
+        if self.transfer_timeout <= 0 or self.control_timeout <= 0:
+            raise ValueError("transfer_timeout / control_timeout: must be positive")

@@ -1,0 +1,208 @@
+"""The transfer planner: from sender and receiver layouts, which bytes move from which sender to which receiver.
+
+Deterministic (same layouts -> same plan and hash on every rank). Every receiver byte is planned exactly once:
+each receiver shard is cut along the boundaries of the sender shards that overlap it, and each cell goes to
+one sender holding it, chosen by least bytes assigned so far (data-parallel replicas share the load), same
+host first. Transfers are split to at most one bucket and coalesced per link into buckets. Pure, no I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections import defaultdict
+from collections.abc import Sequence
+
+from services.weight_exchange.client.layout import ITEMSIZE, RECEIVER, SENDER, RankLayout, Shard
+from services.weight_exchange.client.regions import Region, grid, split
+from services.weight_exchange.client.transfer import Transfer
+
+DEFAULT_BUCKET_BYTES = 64 << 20
+
+
+class PlanError(ValueError):
+    """The layouts cannot be matched (a receiver needs bytes no sender holds, shapes disagree, ...)."""
+
+
+@dataclasses.dataclass
+class PlanStats:
+    total_bytes: int = 0
+    max_bytes_per_link: int = 0
+    max_bytes_per_rank: int = 0
+    num_messages: int = 0
+    num_buckets: int = 0
+    num_links: int = 0
+    bytes_per_sender: dict[str, int] = dataclasses.field(default_factory=dict)
+    bytes_per_receiver: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Plan:
+    transfers: list[Transfer]
+    stats: PlanStats
+    plan_hash: str
+    senders: list[str]
+    receivers: list[str]
+
+    def for_receiver(self, rank_id: str) -> list[Transfer]:
+        return [t for t in self.transfers if t.dst == rank_id]
+
+
+def plan(senders: Sequence[RankLayout], receivers: Sequence[RankLayout], *,
+         bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Plan:
+    """Plan one update; raises PlanError naming the ranks and the tensor when the layouts do not match."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes: must be positive, got {bucket_bytes}")
+    senders = sorted(senders, key=lambda layout: layout.rank_id)
+    receivers = sorted(receivers, key=lambda layout: layout.rank_id)
+    assert all(s.role == SENDER for s in senders) and all(r.role == RECEIVER for r in receivers)
+    index = _index_senders(senders)
+    load = [0] * len(senders)
+    raw: list[Transfer] = []
+    for j, receiver in enumerate(receivers):
+        for shard in sorted(receiver.shards, key=lambda s: (s.canonical_name, s.canonical_region, s.local_name)):
+            raw.extend(_plan_shard(receiver, j, shard, index, senders, load))
+    transfers = _bucketize(raw, bucket_bytes)
+    return Plan(transfers, _stats(transfers), plan_hash(transfers), [s.rank_id for s in senders],
+                [r.rank_id for r in receivers])
+
+
+def _index_senders(senders: Sequence[RankLayout]) -> dict[str, list[tuple[int, Shard]]]:
+    index: dict[str, list[tuple[int, Shard]]] = defaultdict(list)
+    for i, layout in enumerate(senders):
+        for shard in layout.shards:
+            entries = index[shard.canonical_name]
+            if entries:
+                first_rank, first = senders[entries[0][0]].rank_id, entries[0][1]
+                if first.canonical_shape != shard.canonical_shape or first.dtype != shard.dtype:
+                    raise PlanError(f"{shard.canonical_name}: sender {layout.rank_id} has shape "
+                                    f"{list(shard.canonical_shape)} {shard.dtype}, sender {first_rank} has "
+                                    f"{list(first.canonical_shape)} {first.dtype}")
+            entries.append((i, shard))
+    return index
+
+
+def _plan_shard(receiver: RankLayout, j: int, shard: Shard, index: dict[str, list[tuple[int, Shard]]],
+                senders: Sequence[RankLayout], load: list[int]) -> list[Transfer]:
+    name = shard.canonical_name
+    entries = index.get(name)
+    if not entries:
+        raise PlanError(f"{name}: receiver {receiver.rank_id} needs it and no sender holds it")
+    if entries[0][1].canonical_shape != shard.canonical_shape:
+        raise PlanError(f"{name}: receiver {receiver.rank_id} has shape {list(shard.canonical_shape)}, sender "
+                        f"{senders[entries[0][0]].rank_id} has {list(entries[0][1].canonical_shape)}")
+    box = shard.canonical_region
+    cands = [(i, s) for i, s in entries if s.canonical_region.intersect(box) is not None]
+    itemsize = entries[0][1].itemsize
+    n = len(senders)
+    cells = [box] if len(cands) == 1 and cands[0][1].canonical_region.contains(box) else \
+        list(grid(box, [s.canonical_region for _, s in cands]))
+    chosen: list[tuple[Region, int, Shard]] = []
+    for cell in cells:
+        if cell.numel == 0:
+            continue
+        holders = [(i, s) for i, s in cands if s.canonical_region.contains(cell)]
+        if not holders:
+            raise PlanError(f"{name}: receiver {receiver.rank_id} needs region {cell} and no sender holds it")
+        local = [h for h in holders if receiver.host and senders[h[0]].host == receiver.host] or holders
+        i, src = min(local, key=lambda h: (load[h[0]], (h[0] - j) % n))
+        load[i] += cell.numel * itemsize
+        chosen.append((cell, i, src))
+    out = []
+    for cell, i, src in _merge(chosen):
+        out.append(Transfer(senders[i].rank_id, receiver.rank_id, name, src.local_name, src.to_local(cell),
+                            shard.local_name, shard.to_local(cell), cell.numel * itemsize, dtype=src.dtype))
+    return out
+
+
+def _merge(chosen: list[tuple[Region, int, Shard]]) -> list[tuple[Region, int, Shard]]:
+    """Join neighbouring cells taken from the same sender shard (cells are in row-major order)."""
+    out: list[tuple[Region, int, Shard]] = []
+    for cell, i, src in chosen:
+        if out:
+            prev, pi, psrc = out[-1]
+            if pi == i and psrc is src and (joined := _join(prev, cell)) is not None:
+                out[-1] = (joined, i, src)
+                continue
+        out.append((cell, i, src))
+    return out
+
+
+def _join(a: Region, b: Region) -> Region | None:
+    diff = [d for d in range(a.ndim) if a.offsets[d] != b.offsets[d] or a.sizes[d] != b.sizes[d]]
+    if len(diff) != 1:
+        return None
+    d = diff[0]
+    if a.offsets[d] + a.sizes[d] != b.offsets[d]:
+        return None
+    sizes = list(a.sizes)
+    sizes[d] += b.sizes[d]
+    return Region(a.offsets, tuple(sizes))
+
+
+def _bucketize(raw: list[Transfer], bucket_bytes: int) -> list[Transfer]:
+    """Split transfers to at most one bucket each, then number buckets per link in plan order."""
+    links: dict[tuple[str, str], list[Transfer]] = defaultdict(list)
+    for t in raw:
+        links[(t.src, t.dst)].append(t)
+    out: list[Transfer] = []
+    for (_src, _dst), items in sorted(links.items()):
+        bucket, used = 0, 0
+        for t in items:
+            for piece in _split_transfer(t, bucket_bytes):
+                if used and used + piece.num_bytes > bucket_bytes:
+                    bucket, used = bucket + 1, 0
+                used += piece.num_bytes
+                out.append(dataclasses.replace(piece, bucket=bucket))
+    return out
+
+
+def _split_transfer(t: Transfer, bucket_bytes: int) -> list[Transfer]:
+    if t.num_bytes <= bucket_bytes:
+        return [t]
+    itemsize = t.num_bytes // max(1, t.src_region.numel)
+    lead_s = t.src_region.ndim - t.dst_region.ndim
+    # cut the region in its common (trailing) dimensions; leading size-1 dims stay as they are
+    core_src = Region(t.src_region.offsets[max(0, lead_s):], t.src_region.sizes[max(0, lead_s):])
+    core_dst = Region(t.dst_region.offsets[max(0, -lead_s):], t.dst_region.sizes[max(0, -lead_s):])
+    pieces = []
+    for piece in split(Region((0,) * core_src.ndim, core_src.sizes), itemsize, bucket_bytes):
+        src = Region(t.src_region.offsets[:max(0, lead_s)] + tuple(a + b for a, b in zip(core_src.offsets, piece.offsets, strict=True)),
+                     t.src_region.sizes[:max(0, lead_s)] + piece.sizes)
+        dst = Region(t.dst_region.offsets[:max(0, -lead_s)] + tuple(a + b for a, b in zip(core_dst.offsets, piece.offsets, strict=True)),
+                     t.dst_region.sizes[:max(0, -lead_s)] + piece.sizes)
+        pieces.append(dataclasses.replace(t, src_region=src, dst_region=dst, num_bytes=piece.numel * itemsize))
+    return pieces
+
+
+def _stats(transfers: list[Transfer]) -> PlanStats:
+    per_link: dict[tuple[str, str], int] = defaultdict(int)
+    sent: dict[str, int] = defaultdict(int)
+    received: dict[str, int] = defaultdict(int)
+    buckets = set()
+    for t in transfers:
+        per_link[(t.src, t.dst)] += t.num_bytes
+        sent[t.src] += t.num_bytes
+        received[t.dst] += t.num_bytes
+        buckets.add((t.src, t.dst, t.bucket))
+    return PlanStats(
+        total_bytes=sum(per_link.values()), max_bytes_per_link=max(per_link.values(), default=0),
+        max_bytes_per_rank=max([*sent.values(), *received.values()], default=0), num_messages=len(transfers),
+        num_buckets=len(buckets), num_links=len(per_link), bytes_per_sender=dict(sent), bytes_per_receiver=dict(received))
+
+
+def plan_hash(transfers: Sequence[Transfer]) -> str:
+    h = hashlib.sha256()
+    for t in transfers:
+        h.update(f"{t.src}|{t.dst}|{t.canonical_name}|{t.src_local}|{t.src_region}|{t.dst_local}|"
+                 f"{t.dst_region}|{t.num_bytes}|{t.bucket}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def bytes_min(receivers: Sequence[RankLayout], wire_itemsize: dict[str, int] | None = None) -> int:
+    """Bytes the receivers need (each receiver byte once), in the senders' dtype when given."""
+    total = 0
+    for r in receivers:
+        for s in r.shards:
+            total += s.canonical_region.numel * (wire_itemsize or {}).get(s.canonical_name, ITEMSIZE[s.dtype])
+    return total

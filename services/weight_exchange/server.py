@@ -1,0 +1,117 @@
+"""gRPC edge of the weight-exchange service: Register, Plan, Sync, Status; Apply calls to receivers; events."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from services.common.bus import SUBJECT_VERSIONS, Bus
+from services.common.contracts import data_pb2
+from services.common.contracts import weight_exchange_pb2 as wx_pb2
+from services.common.contracts import weight_exchange_pb2_grpc as wx_grpc
+from services.common.ids import now
+from services.common.logging import get_logger
+from services.common.rpc import Servicer, bound_address, channel, invalid_argument, start_server
+from services.weight_exchange.client.layout import RankLayout
+from services.weight_exchange.config import WeightExchangeConfig
+from services.weight_exchange.coordinator import ApplyError, Coordinator, SyncError
+from services.weight_exchange.planner import PlanError
+
+log = get_logger()
+
+
+class AgentClients:
+    """One channel per receiver agent address."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    async def apply(self, receiver: RankLayout, request: wx_pb2.ApplyRequest, timeout: float) -> wx_pb2.ApplyReply:
+        ch = self._channels.get(receiver.agent_address)
+        if ch is None:
+            ch = self._channels[receiver.agent_address] = channel(receiver.agent_address, token=self.token)
+        try:
+            return await wx_grpc.WeightAgentServiceStub(ch).Apply(request, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code().name
+            details = exc.details() or ""
+            if code == "DEADLINE_EXCEEDED" and details.lower() == "deadline exceeded":
+                details = f"no answer from {receiver.agent_address} within {timeout:.0f}s"
+            raise ApplyError(code, f"{code}: {details}") from exc
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+
+
+class WeightExchangeServicer(wx_grpc.WeightExchangeServiceServicer):
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+
+    async def Register(self, request, context):  # noqa: N802
+        if not request.HasField("layout"):
+            await invalid_argument(context, "layout", "required")
+        try:
+            self.coordinator.register(RankLayout.from_proto(request.layout))
+        except ValueError as exc:
+            field, _, problem = str(exc).partition(": ")
+            await invalid_argument(context, field, problem)
+        return wx_pb2.RegisterReply(rank_id=request.layout.rank_id, num_senders=len(self.coordinator.senders),
+                                    num_receivers=len(self.coordinator.receivers))
+
+    async def Plan(self, request, context):  # noqa: N802
+        try:
+            self.coordinator.check_transport(request.transport)
+            return self.coordinator.plan_reply(request.include_transfers)
+        except PlanError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"plan: {exc}")
+        except ValueError as exc:
+            field, _, problem = str(exc).partition(": ")
+            await invalid_argument(context, field, problem)
+
+    async def Sync(self, request, context):  # noqa: N802
+        try:
+            r = await self.coordinator.sync(request.version, request.transport, request.verify or None)
+        except SyncError as exc:
+            await context.abort(getattr(grpc.StatusCode, exc.code, grpc.StatusCode.ABORTED), str(exc))
+        except ValueError as exc:
+            field, _, problem = str(exc).partition(": ")
+            await invalid_argument(context, field, problem)
+        return wx_pb2.SyncReply(version=r.version, seconds=r.seconds, bytes_moved=r.bytes_moved,
+                                num_receivers=r.num_receivers, plan_hash=r.plan_hash)
+
+    async def Status(self, request, context):  # noqa: N802
+        c = self.coordinator
+        return wx_pb2.WeightExchangeStatus(num_senders=len(c.senders), num_receivers=len(c.receivers),
+                                           deployed_version=c.deployed_version, syncs=c.syncs,
+                                           last_sync_seconds=c.last_sync_seconds, last_bytes_moved=c.last_bytes_moved)
+
+
+async def serve(config: WeightExchangeConfig, stop: asyncio.Event) -> None:
+    bus = await Bus.connect(config.nats_url, name="weight_exchange") if config.publish_events and config.nats_url \
+        else None
+
+    async def deployed(version: int) -> None:
+        if bus is None:
+            return
+        event = data_pb2.VersionEvent(event_id=f"deployed-{version}", version=version,
+                                      kind=data_pb2.VERSION_KIND_DEPLOYED, at=now())
+        await bus.publish(SUBJECT_VERSIONS, event, f"deployed-{version}")
+
+    agents = AgentClients(config.agent_token or config.auth_token)
+    coordinator = Coordinator(apply=agents.apply, on_deployed=deployed, bucket_bytes=config.bucket_bytes,
+                              default_transport=config.default_transport, transfer_timeout=config.transfer_timeout,
+                              control_timeout=config.control_timeout, verify=config.verify)
+    servicer = Servicer(wx_grpc.add_WeightExchangeServiceServicer_to_server, WeightExchangeServicer(coordinator),
+                        wx_pb2.DESCRIPTOR.services_by_name["WeightExchangeService"].full_name)
+    server = await start_server(config.grpc_address, [servicer], auth_token=config.auth_token)
+    log.info("serving", address=bound_address(config.grpc_address, server.port))
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+        await agents.close()
+        if bus is not None:
+            await bus.close()

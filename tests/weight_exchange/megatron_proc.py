@@ -1,0 +1,67 @@
+"""Build a real megatron-core GPTModel on CPU (gloo, use_cpu_initialization) and dump its parameter shapes.
+
+`python -m tests.weight_exchange.megatron_proc --rank R --world W --port P --out DIR --tp T --pp P --ep E
+ --etp X --model NAME`: writes DIR/rank<R>.json = {"parallel": {...}, "params": {name: shape}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+
+import torch
+import torch.nn.functional as F
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    for k in ("rank", "world", "port", "tp", "pp", "ep", "etp"):
+        ap.add_argument(f"--{k}", type=int, default=1)
+    ap.add_argument("--model", default="tiny-qwen3")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank,
+                                         world_size=a.world)
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    from services.weight_exchange.client.layouts.common import pad_to
+    from services.weight_exchange.client.layouts.model import model_spec
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp,
+                                 expert_model_parallel_size=a.ep, expert_tensor_parallel_size=a.etp)
+    spec = model_spec(a.model)
+    moe = spec.num_experts > 0
+    config = TransformerConfig(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim,
+        ffn_hidden_size=spec.intermediate_size, gated_linear_unit=True, activation_func=F.silu,
+        normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=spec.qkv_bias, qk_layernorm=spec.qk_norm,
+        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp, expert_model_parallel_size=a.ep,
+        expert_tensor_parallel_size=a.etp, sequence_parallel=False,
+        num_moe_experts=spec.num_experts if moe else None,
+        moe_ffn_hidden_size=spec.moe_intermediate_size if moe else None, moe_router_topk=2 if moe else 2,
+        moe_grouped_gemm=False,
+    )
+    layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_experts if moe else None, qk_layernorm=spec.qk_norm)
+    model = GPTModel(config=config, transformer_layer_spec=layer_spec,
+                     vocab_size=pad_to(spec.vocab_size, 128 * a.tp), max_sequence_length=128,
+                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                     share_embeddings_and_output_weights=spec.tie_word_embeddings, position_embedding_type="rope")
+    parallel = {"tp_rank": ps.get_tensor_model_parallel_rank(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
+                "ep_rank": ps.get_expert_model_parallel_rank(), "etp_rank": ps.get_expert_tensor_parallel_rank(),
+                "dp_rank": ps.get_data_parallel_rank(), "dp_size": ps.get_data_parallel_world_size()}
+    params = {n: list(p.shape) for n, p in model.named_parameters()}
+    pathlib.Path(a.out).mkdir(parents=True, exist_ok=True)
+    (pathlib.Path(a.out) / f"rank{a.rank}.json").write_text(json.dumps({"parallel": parallel, "params": params}))
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

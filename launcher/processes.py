@@ -26,6 +26,7 @@ class NatsServer:
         self.store = store
         self.port = port or free_port()
         self.proc: subprocess.Popen | None = None
+        self.detach = False  # survive the parent (make up)
 
     @property
     def url(self) -> str:
@@ -34,7 +35,8 @@ class NatsServer:
     def start(self) -> None:
         self.store.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen([nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(self.port),
-                                      "-sd", str(self.store)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                      "-sd", str(self.store)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=self.detach)
         deadline = time.time() + 10
         while time.time() < deadline:
             try:

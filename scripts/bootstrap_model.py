@@ -66,7 +66,7 @@ def sft_batch(tokenizer, tasks: list[Task]) -> tuple[torch.Tensor, torch.Tensor,
     ids = torch.full((len(seqs), width), eos, dtype=torch.long)
     lab = torch.full((len(seqs), width), -100, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, (s, lb) in enumerate(zip(seqs, labels)):
+    for i, (s, lb) in enumerate(zip(seqs, labels, strict=False)):
         ids[i, : len(s)] = torch.tensor(s)
         lab[i, : len(lb)] = torch.tensor(lb)
         mask[i, : len(s)] = 1
@@ -136,7 +136,7 @@ def greedy_accuracy(model, tokenizer, tasks: list[Task], max_new_tokens: int = 8
     for s in range(0, len(tasks), batch):
         chunk = tasks[s: s + batch]
         comps, _ = generate(model, tokenizer, encode_prompts(tokenizer, chunk), max_new_tokens)
-        correct += sum(is_correct(decode(tokenizer, c), t.answer) for c, t in zip(comps, chunk))
+        correct += sum(is_correct(decode(tokenizer, c), t.answer) for c, t in zip(comps, chunk, strict=False))
     model.train(was_training)
     return correct / max(len(tasks), 1)
 

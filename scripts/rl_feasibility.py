@@ -56,7 +56,7 @@ def token_logprobs(model, seqs: list[list[int]], prompt_lens: list[int], pad: in
     logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
     lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     tmask = torch.zeros_like(lp)
-    for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
+    for i, (s, p) in enumerate(zip(seqs, prompt_lens, strict=False)):
         tmask[i, p - 1: len(s) - 1] = 1.0
     return lp, tmask
 
@@ -66,20 +66,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--band", type=float, nargs=2, default=bm.BAND)
     ap.add_argument("--sft-cache", type=Path, default=None, help="save/load the SFT warm start here")
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--prompts", type=int, default=32, help="prompts per step")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--prompts", type=int, default=64, help="prompts per step")
     ap.add_argument("--n", type=int, default=8, help="group size")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--max-new-tokens", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--warmup", type=int, default=0, help="linear lr warm-up (optimizer steps)")
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--warmup", type=int, default=10, help="linear lr warm-up (optimizer steps)")
     ap.add_argument("--ppo-epochs", type=int, default=1)
-    ap.add_argument("--minibatches", type=int, default=1)
+    ap.add_argument("--minibatches", type=int, default=4)
     ap.add_argument("--clip", type=float, default=0.2)
     ap.add_argument("--behav-cap", type=float, default=5.0)
     ap.add_argument("--staleness", type=int, default=1, help="generate with the policy this many versions old")
-    ap.add_argument("--eval-every", type=int, default=5)
+    ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)

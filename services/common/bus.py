@@ -66,7 +66,8 @@ CONSUMERS = {
     for spec in (
         ConsumerSpec("rollout", "PROMPTS", SUBJECT_PROMPTS),
         ConsumerSpec("reward", "TRAJ", SUBJECT_TRAJ_RAW),
-        ConsumerSpec("builder", "TRAJ", SUBJECT_TRAJ_SCORED),
+        # the builder acks a trajectory only once the batch holding it is published
+        ConsumerSpec("builder", "TRAJ", SUBJECT_TRAJ_SCORED, ack_wait=900.0, max_ack_pending=100_000),
         ConsumerSpec("trainer", "BATCHES", SUBJECT_BATCHES, ack_wait=300.0),
         ConsumerSpec("builder-versions", "EVENTS", SUBJECT_VERSIONS),
     )
@@ -112,9 +113,12 @@ class Bus:
                               max_ack_pending=spec.max_ack_pending)
 
     async def publish(self, subject: str, message: Message, msg_id: str) -> bool:
-        """Publish durably; returns False when JetStream dropped it as a duplicate of `msg_id`."""
+        """Publish durably; returns False when JetStream dropped it as a duplicate of `msg_id` on `subject`.
+
+        The dedupe key is scoped by subject: a trajectory keeps its id from traj.raw to traj.scored.
+        """
         assert msg_id, "every published message needs an id"
-        headers = {"Nats-Msg-Id": msg_id, TYPE_HEADER: message.DESCRIPTOR.full_name}
+        headers = {"Nats-Msg-Id": f"{subject}/{msg_id}", TYPE_HEADER: message.DESCRIPTOR.full_name}
         ack = await self.js.publish(subject, message.SerializeToString(), headers=headers, timeout=10.0)
         return not ack.duplicate
 
@@ -146,14 +150,17 @@ def decoder(message_type: type[M]) -> Callable[[Msg], M]:
 
 
 async def consume(bus: Bus, consumer: str, decode: Callable[[Msg], M],
-                  handle: Callable[[M], Awaitable[None]], stop: asyncio.Event, *,
-                  concurrency: int = 1, fetch_timeout: float = 1.0) -> None:
+                  handle: Callable[..., Awaitable[None]], stop: asyncio.Event, *,
+                  concurrency: int = 1, fetch_timeout: float = 1.0, gate: asyncio.Event | None = None,
+                  manual_ack: bool = False) -> None:
     """Pull from a durable consumer until `stop` is set; ack after `handle` returns.
 
     Up to `concurrency` handlers run at once. A handler raising InvalidMessage dead-letters the
     message; any other error naks it for redelivery (dead-lettered after `max_deliver` tries).
-    While a handler runs, the message's ack deadline is extended. On stop, fetched messages that
+    While a handler runs, the message's ack deadline is extended. While `gate` is clear nothing is fetched. On stop, fetched messages that
     were not started are nak'ed and running handlers finish before this returns.
+    With `manual_ack`, the handler is called as `handle(obj, msg)` and acks the message itself once
+    the effect is durable (e.g. when a batch holding it is published).
     """
     spec = CONSUMERS[consumer]
     ack_wait = bus.ack_wait or spec.ack_wait
@@ -164,8 +171,11 @@ async def consume(bus: Bus, consumer: str, decode: Callable[[Msg], M],
     async def process(msg: Msg) -> None:
         heartbeat = asyncio.create_task(_keep_alive(msg, ack_wait / 3))
         try:
-            await handle(decode(msg))
-            await msg.ack()
+            if manual_ack:
+                await handle(decode(msg), msg)
+            else:
+                await handle(decode(msg))
+                await msg.ack()
         except InvalidMessage as exc:
             await bus.dead_letter(consumer, msg, str(exc))
             await msg.term()
@@ -182,12 +192,15 @@ async def consume(bus: Bus, consumer: str, decode: Callable[[Msg], M],
 
     try:
         while not stop.is_set():
+            if gate is not None and not gate.is_set():
+                await _wait_either(gate, stop)
+                continue
             if len(running) >= concurrency:
                 await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 continue
             try:
                 msgs = await sub.fetch(concurrency - len(running), timeout=fetch_timeout)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            except (TimeoutError, nats.errors.TimeoutError):
                 continue
             except nats.errors.ConnectionClosedError:
                 break
@@ -203,6 +216,13 @@ async def consume(bus: Bus, consumer: str, decode: Callable[[Msg], M],
             await asyncio.gather(*running, return_exceptions=True)
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
+
+
+async def _wait_either(a: asyncio.Event, b: asyncio.Event) -> None:
+    tasks = [asyncio.create_task(a.wait()), asyncio.create_task(b.wait())]
+    _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
 
 
 async def _keep_alive(msg: Msg, every: float) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -9,6 +11,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from services.common.logging import get_logger
 
 OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
@@ -106,3 +110,18 @@ def channel(address: str, *, token: str = "") -> grpc.aio.Channel:
 async def invalid_argument(context: grpc.aio.ServicerContext, field: str, problem: str) -> None:
     """Abort the call with INVALID_ARGUMENT naming the field."""
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {problem}")
+
+
+async def call_until_ok(call: Callable[[], Any], stop: asyncio.Event, *, what: str, max_delay: float = 2.0) -> bool:
+    """Retry an async gRPC call while its server is not up yet; False if `stop` was set first."""
+    delay = 0.2
+    while not stop.is_set():
+        try:
+            await call()
+            return True
+        except (grpc.aio.AioRpcError, OSError) as exc:
+            get_logger().debug("peer_not_ready", what=what, error=str(exc))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=delay)
+            delay = min(delay * 2, max_delay)
+    return False

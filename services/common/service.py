@@ -14,6 +14,7 @@ from services.common.logging import configure_logging, get_logger
 from services.common.metrics import start_metrics_server
 
 C = TypeVar("C", bound=ServiceConfig)
+EXIT_CODE = 0
 
 
 def main(service: str, config_cls: type[C], serve: Callable[[C, asyncio.Event], Awaitable[None]],
@@ -29,6 +30,7 @@ def main(service: str, config_cls: type[C], serve: Callable[[C, asyncio.Event], 
         raise SystemExit(2) from exc
     configure_logging(service, config.log_level)
     asyncio.run(_run(service, config, serve))
+    raise SystemExit(EXIT_CODE)
 
 
 async def _run(service: str, config: C, serve: Callable[[C, asyncio.Event], Awaitable[None]]) -> None:
@@ -40,3 +42,20 @@ async def _run(service: str, config: C, serve: Callable[[C, asyncio.Event], Awai
     get_logger().info("starting", metrics_port=metrics_port)
     await serve(config, stop)
     get_logger().info("stopped")
+
+
+def supervise(tasks: list[asyncio.Task], stop: asyncio.Event) -> None:
+    """A background task that dies takes the service down (so its supervisor restarts it), loudly."""
+
+    def on_done(task: asyncio.Task) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        get_logger().error("task_crashed", task=task.get_name(), error=repr(exc),
+                           exc_info=(type(exc), exc, exc.__traceback__))
+        global EXIT_CODE
+        EXIT_CODE = 1
+        stop.set()
+
+    for task in tasks:
+        task.add_done_callback(on_done)

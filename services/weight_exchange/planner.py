@@ -2,8 +2,8 @@
 
 Deterministic (same layouts -> same plan and hash on every rank). Every receiver byte is planned exactly once:
 each receiver shard is cut along the boundaries of the sender shards that overlap it, and each cell goes to
-one sender holding it, chosen by least bytes assigned so far (data-parallel replicas share the load), same
-host first. Transfers are split to at most one bucket and coalesced per link into buckets. Pure, no I/O.
+one sender holding it: same host first, then a sender the receiver already pulls from (few links), then the
+one with the fewest bytes assigned so far (data-parallel replicas share the load). Transfers are split to at most one bucket and coalesced per link into buckets. Pure, no I/O.
 """
 
 from __future__ import annotations
@@ -49,8 +49,11 @@ class Plan:
 
 
 def plan(senders: Sequence[RankLayout], receivers: Sequence[RankLayout], *,
-         bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Plan:
-    """Plan one update; raises PlanError naming the ranks and the tensor when the layouts do not match."""
+         bucket_bytes: int = DEFAULT_BUCKET_BYTES, stats_only: bool = False) -> Plan:
+    """Plan one update; raises PlanError naming the ranks and the tensor when the layouts do not match.
+
+    `stats_only` (paper-scale simulation) keeps the sender choices and statistics but builds no transfers.
+    """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes: must be positive, got {bucket_bytes}")
     senders = sorted(senders, key=lambda layout: layout.rank_id)
@@ -58,61 +61,130 @@ def plan(senders: Sequence[RankLayout], receivers: Sequence[RankLayout], *,
     assert all(s.role == SENDER for s in senders) and all(r.role == RECEIVER for r in receivers)
     index = _index_senders(senders)
     load = [0] * len(senders)
+    geometry: dict[int, tuple[Shard, int, list[tuple[Region, list[tuple[int, Shard]]]]]] = {}
     raw: list[Transfer] = []
+    acc = _Accumulator(bucket_bytes)
+    order: dict[int, list[Shard]] = {}
     for j, receiver in enumerate(receivers):
-        for shard in sorted(receiver.shards, key=lambda s: (s.canonical_name, s.canonical_region, s.local_name)):
-            raw.extend(_plan_shard(receiver, j, shard, index, senders, load))
+        linked: set[int] = set()
+        shards = order.get(id(receiver.shards))
+        if shards is None:
+            shards = order[id(receiver.shards)] = sorted(
+                receiver.shards, key=lambda s: (s.canonical_name, s.canonical_region, s.local_name))
+        for shard in shards:
+            key = id(shard)
+            if key not in geometry:
+                geometry[key] = (shard, *_geometry(receiver, shard, index, senders))
+            _, itemsize, cells = geometry[key]
+            chosen = _choose(receiver, j, cells, itemsize, senders, load, linked)
+            if stats_only:
+                for cell, i, _src in chosen:
+                    acc.add(senders[i].rank_id, receiver.rank_id, cell.numel * itemsize)
+                continue
+            for cell, i, src in chosen:
+                raw.append(Transfer(senders[i].rank_id, receiver.rank_id, shard.canonical_name, src.local_name,
+                                    src.to_local(cell), shard.local_name, shard.to_local(cell),
+                                    cell.numel * itemsize, dtype=src.dtype))
+    names = ([s.rank_id for s in senders], [r.rank_id for r in receivers])
+    if stats_only:
+        return Plan([], acc.stats(), acc.digest(), *names)
     transfers = _bucketize(raw, bucket_bytes)
-    return Plan(transfers, _stats(transfers), plan_hash(transfers), [s.rank_id for s in senders],
-                [r.rank_id for r in receivers])
+    return Plan(transfers, _stats(transfers), plan_hash(transfers), *names)
 
 
-def _index_senders(senders: Sequence[RankLayout]) -> dict[str, list[tuple[int, Shard]]]:
-    index: dict[str, list[tuple[int, Shard]]] = defaultdict(list)
+def _index_senders(senders: Sequence[RankLayout]) -> dict[str, list[tuple[Region, list[tuple[int, Shard]]]]]:
+    """canonical name -> distinct sender regions, each with every (sender index, shard) holding it."""
+    index: dict[str, dict[Region, list[tuple[int, Shard]]]] = defaultdict(dict)
+    first: dict[str, tuple[int, Shard]] = {}
     for i, layout in enumerate(senders):
         for shard in layout.shards:
-            entries = index[shard.canonical_name]
-            if entries:
-                first_rank, first = senders[entries[0][0]].rank_id, entries[0][1]
-                if first.canonical_shape != shard.canonical_shape or first.dtype != shard.dtype:
-                    raise PlanError(f"{shard.canonical_name}: sender {layout.rank_id} has shape "
-                                    f"{list(shard.canonical_shape)} {shard.dtype}, sender {first_rank} has "
-                                    f"{list(first.canonical_shape)} {first.dtype}")
-            entries.append((i, shard))
-    return index
+            name = shard.canonical_name
+            if name in first:
+                fi, fs = first[name]
+                if fs.canonical_shape != shard.canonical_shape or fs.dtype != shard.dtype:
+                    raise PlanError(f"{name}: sender {layout.rank_id} has shape {list(shard.canonical_shape)} "
+                                    f"{shard.dtype}, sender {senders[fi].rank_id} has {list(fs.canonical_shape)} "
+                                    f"{fs.dtype}")
+            else:
+                first[name] = (i, shard)
+            index[name].setdefault(shard.canonical_region, []).append((i, shard))
+    return {name: list(groups.items()) for name, groups in index.items()}
 
 
-def _plan_shard(receiver: RankLayout, j: int, shard: Shard, index: dict[str, list[tuple[int, Shard]]],
-                senders: Sequence[RankLayout], load: list[int]) -> list[Transfer]:
+def _geometry(receiver: RankLayout, shard: Shard, index: dict[str, list[tuple[Region, list[tuple[int, Shard]]]]],
+              senders: Sequence[RankLayout]) -> tuple[int, list[tuple[Region, list[tuple[int, Shard]]]]]:
+    """The cells of a receiver shard and, for each, every sender shard holding it (same for DP replicas)."""
     name = shard.canonical_name
-    entries = index.get(name)
-    if not entries:
+    groups = index.get(name)
+    if not groups:
         raise PlanError(f"{name}: receiver {receiver.rank_id} needs it and no sender holds it")
-    if entries[0][1].canonical_shape != shard.canonical_shape:
+    some = groups[0][1][0]
+    if some[1].canonical_shape != shard.canonical_shape:
         raise PlanError(f"{name}: receiver {receiver.rank_id} has shape {list(shard.canonical_shape)}, sender "
-                        f"{senders[entries[0][0]].rank_id} has {list(entries[0][1].canonical_shape)}")
+                        f"{senders[some[0]].rank_id} has {list(some[1].canonical_shape)}")
     box = shard.canonical_region
-    cands = [(i, s) for i, s in entries if s.canonical_region.intersect(box) is not None]
-    itemsize = entries[0][1].itemsize
-    n = len(senders)
-    cells = [box] if len(cands) == 1 and cands[0][1].canonical_region.contains(box) else \
-        list(grid(box, [s.canonical_region for _, s in cands]))
-    chosen: list[tuple[Region, int, Shard]] = []
-    for cell in cells:
+    containing = [holders for region, holders in groups if region.contains(box)]
+    if containing:
+        return some[1].itemsize, [(box, [h for hs in containing for h in hs])]
+    cands = [(region, holders) for region, holders in groups if region.intersect(box) is not None]
+    cells = []
+    for cell in grid(box, [region for region, _ in cands]):
         if cell.numel == 0:
             continue
-        holders = [(i, s) for i, s in cands if s.canonical_region.contains(cell)]
+        holders = [h for region, hs in cands if region.contains(cell) for h in hs]
         if not holders:
             raise PlanError(f"{name}: receiver {receiver.rank_id} needs region {cell} and no sender holds it")
-        local = [h for h in holders if receiver.host and senders[h[0]].host == receiver.host] or holders
-        i, src = min(local, key=lambda h: (load[h[0]], (h[0] - j) % n))
+        cells.append((cell, holders))
+    return some[1].itemsize, cells
+
+
+def _choose(receiver: RankLayout, j: int, cells: list[tuple[Region, list[tuple[int, Shard]]]], itemsize: int,
+            senders: Sequence[RankLayout], load: list[int], linked: set[int]) -> list[tuple[Region, int, Shard]]:
+    n = len(senders)
+    chosen: list[tuple[Region, int, Shard]] = []
+    for cell, holders in cells:
+        if len(holders) == 1:
+            i, src = holders[0]
+        else:
+            near = [h for h in holders if receiver.host and senders[h[0]].host == receiver.host] or holders
+            # a sender this receiver already pulls from, then the least loaded one (DP replicas share the load)
+            i, src = min(near, key=lambda h: (h[0] not in linked, load[h[0]], (h[0] - j) % n))
+        linked.add(i)
         load[i] += cell.numel * itemsize
         chosen.append((cell, i, src))
-    out = []
-    for cell, i, src in _merge(chosen):
-        out.append(Transfer(senders[i].rank_id, receiver.rank_id, name, src.local_name, src.to_local(cell),
-                            shard.local_name, shard.to_local(cell), cell.numel * itemsize, dtype=src.dtype))
-    return out
+    return _merge(chosen) if len(chosen) > 1 else chosen
+
+
+class _Accumulator:
+    """Plan statistics without transfer objects (simulation)."""
+
+    def __init__(self, bucket_bytes: int) -> None:
+        self.bucket_bytes = bucket_bytes
+        self.links: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+        self.hash = hashlib.sha256()
+
+    def add(self, src: str, dst: str, num_bytes: int) -> None:
+        link = self.links[(src, dst)]
+        link[0] += num_bytes
+        link[1] += -(-num_bytes // self.bucket_bytes)
+
+    def stats(self) -> PlanStats:
+        sent: dict[str, int] = defaultdict(int)
+        received: dict[str, int] = defaultdict(int)
+        for (src, dst), (b, _) in self.links.items():
+            sent[src] += b
+            received[dst] += b
+        return PlanStats(total_bytes=sum(b for b, _ in self.links.values()),
+                         max_bytes_per_link=max((b for b, _ in self.links.values()), default=0),
+                         max_bytes_per_rank=max([*sent.values(), *received.values()], default=0),
+                         num_messages=sum(m for _, m in self.links.values()),
+                         num_buckets=sum(-(-b // self.bucket_bytes) for b, _ in self.links.values()),
+                         num_links=len(self.links), bytes_per_sender=dict(sent), bytes_per_receiver=dict(received))
+
+    def digest(self) -> str:
+        for (src, dst), (b, m) in sorted(self.links.items()):
+            self.hash.update(f"{src}|{dst}|{b}|{m}\n".encode())
+        return self.hash.hexdigest()[:16]
 
 
 def _merge(chosen: list[tuple[Region, int, Shard]]) -> list[tuple[Region, int, Shard]]:

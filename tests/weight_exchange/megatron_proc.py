@@ -23,6 +23,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    if not torch.cuda.is_available():
+        # tied embeddings with PP > 1 move the shared weight with `.cuda()` before an all-reduce; stay on CPU
+        torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank,
                                          world_size=a.world)
     from megatron.core import parallel_state as ps

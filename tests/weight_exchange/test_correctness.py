@@ -4,12 +4,14 @@ the receiver's own loading rule. Each case: one process hosting the sender ranks
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from services.common.contracts import weight_exchange_pb2 as wx_pb2
 from tests.weight_exchange.harness import exchange
 
-TRANSPORTS = ("tcp", "shm", "gloo")
+TRANSPORTS = ("tcp", "shm", "gloo") + (("ucx",) if importlib.util.find_spec("ucxx") else ())
 
 FAST = [
     ("tiny-qwen3", "megatron:tp=2", "vllm:tp=2"),
@@ -19,7 +21,7 @@ FAST = [
 ]
 SLOW = [
     ("tiny-qwen3", "megatron:tp=1", "vllm:tp=1"),
-    ("tiny-qwen3", "megatron:tp=4", "vllm:tp=8"),                        # Megatron TP 4 > 2 query groups
+    ("tiny-qwen3-moe", "megatron:tp=4", "vllm:tp=8"),                    # TP 4 > 2 query groups; TP 8 > 2 KV
     ("tiny-qwen3", "megatron:tp=2,pp=2", "vllm:tp=4,dp=2"),
     ("tiny-qwen3", "megatron:tp=1,dp=2", "vllm:tp=2,dp=2"),              # DP replicas share the sending
     ("tiny-qwen3", "megatron:tp=4", "vllm:tp=1"),
@@ -32,7 +34,7 @@ SLOW = [
 
 
 async def run_case(tmp_path, model: str, src: str, dst: str) -> None:
-    async with exchange(tmp_path, model, src, dst, bucket_bytes=16 << 10) as sync:
+    async with exchange(tmp_path, model, src, dst, bucket_bytes=16 << 10, transports=",".join(TRANSPORTS)) as sync:
         plan = await sync.stub.Plan(wx_pb2.PlanRequest(transport="tcp"))
         assert plan.stats.total_bytes == plan.stats.bytes_min > 0
         for version, transport in enumerate(TRANSPORTS, start=1):

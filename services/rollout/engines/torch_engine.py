@@ -12,7 +12,6 @@ import asyncio
 import dataclasses
 import threading
 
-
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 

@@ -69,8 +69,12 @@ class SenderAgent:
 
     async def start(self) -> None:
         """Open the data endpoints and register this rank's layout (role SENDER)."""
-        self.endpoints = await asyncio.to_thread(self.server.start)
+        await self.open()
         await self.register()
+
+    async def open(self) -> None:
+        """Open the data endpoints (register separately, e.g. retrying until the service is up)."""
+        self.endpoints = await asyncio.to_thread(self.server.start)
 
     async def register(self) -> wx_pb2.RegisterReply:
         layout = self.layout()

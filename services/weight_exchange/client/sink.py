@@ -114,8 +114,9 @@ def _pull_link(impl: transports.Transport, endpoint: str, link: Link, items: lis
             raise TransferTimeout("deadline passed before connecting")
         with socket.create_connection((host, int(port)), timeout=left) as conn:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            options = getattr(impl, "request_options", dict)()
             send_frame(conn, {"op": "pull", "transport": impl.name, "receiver": link.dst, "version": version,
-                              "verify": link.verify, "timeout": max(1.0, left), "items": items})
+                              "verify": link.verify, "timeout": max(1.0, left), "items": items, **options})
             reply = recv_frame(conn)
             if "error" in reply:
                 raise TransportError(reply["error"])

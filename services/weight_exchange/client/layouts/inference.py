@@ -81,8 +81,7 @@ def _layer(spec: ModelSpec, par: InferenceParallel, layer: int, canon: dict[str,
     k0, nk = kv_heads(spec, tp, r)
     for suffix in ("weight", "bias") if spec.qkv_bias else ("weight",):
         rows = stack([(p + f"self_attn.q_proj.{suffix}", q0 * hd, nq * hd),
-                      (p + f"self_attn.k_proj.{suffix}", k0 * hd + 0, nk * hd),
-                      (p + f"self_attn.v_proj.{suffix}", k0 * hd, nk * hd)] if False else [(p + f"self_attn.q_proj.{suffix}", q0 * hd, nq * hd), (p + f"self_attn.v_proj.{suffix}", k0 * hd, nk * hd),
+                      (p + f"self_attn.k_proj.{suffix}", k0 * hd, nk * hd),
                       (p + f"self_attn.v_proj.{suffix}", k0 * hd, nk * hd)])
         shape = ((nq + 2 * nk) * hd, h) if suffix == "weight" else ((nq + 2 * nk) * hd,)
         out += row_shards(p + f"self_attn.qkv_proj.{suffix}", shape, dtype, rows, canon)

@@ -122,7 +122,8 @@ class ModelSpec:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2" or bool(config.get("attention_bias", False)),
             qk_norm=arch in ("qwen3", "qwen3_moe"),
-            num_experts=int(config.get("num_experts", 0) or 0) if arch == "qwen3_moe" else 0,
+            num_experts=int(config.get("num_experts") or config.get("num_local_experts") or 0)
+            if arch == "qwen3_moe" else 0,
             moe_intermediate_size=int(config.get("moe_intermediate_size", 0) or 0),
             decoder_sparse_step=int(config.get("decoder_sparse_step", 1) or 1),
             mlp_only_layers=tuple(config.get("mlp_only_layers", []) or ()),

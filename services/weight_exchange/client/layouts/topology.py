@@ -1,7 +1,7 @@
 """A side of a transfer described as text (`megatron:tp=4,pp=2,ep=8`, `vllm:tp=4,dp=2`) and its ranks.
 
-Frameworks: hf (full model per rank), fsdp2 (dp dim-0 shards), embedded (full, inference), megatron,
-vllm, sglang. Megatron global rank order is tp fastest, then dp, then pp; inside a pipeline stage the
+Frameworks: hf (full model per rank), fsdp2 (dp dim-0 shards), embedded (full, inference), megatron
+(tp, pp, ep, etp, dp; `first` / `last`: layers in the first / last pipeline stage when uneven), vllm, sglang. Megatron global rank order is tp fastest, then dp, then pp; inside a pipeline stage the
 tp x dp ranks are regrouped as etp (fastest) x ep x expert-dp for the experts.
 """
 
@@ -17,7 +17,7 @@ from services.weight_exchange.client.layouts.megatron import MegatronParallel, m
 from services.weight_exchange.client.layouts.model import ModelSpec
 
 FRAMEWORKS = {"hf": ("dp",), "fsdp2": ("dp",), "embedded": ("dp",),
-              "megatron": ("tp", "pp", "ep", "etp", "dp"), "vllm": ("tp", "ep", "dp"), "sglang": ("tp", "ep", "dp")}
+              "megatron": ("tp", "pp", "ep", "etp", "dp", "first", "last"), "vllm": ("tp", "ep", "dp"), "sglang": ("tp", "ep", "dp")}
 SENDING = ("hf", "fsdp2", "megatron")
 RECEIVING = ("embedded", "hf", "vllm", "sglang", "megatron", "fsdp2")
 
@@ -59,8 +59,16 @@ def parse_side(text: str, field: str = "side") -> Side:
     return Side(framework, sizes)
 
 
-def megatron_parallel(side: Side, rank: int) -> MegatronParallel:
+def megatron_parallel(side: Side, rank: int, num_layers: int = 0) -> MegatronParallel:
     tp, pp, dp, ep = side.get("tp"), side.get("pp"), side.get("dp"), side.get("ep")
+    stages = None
+    if "first" in side.sizes or "last" in side.sizes:
+        first, last = side.sizes.get("first", 0), side.sizes.get("last", 0)
+        middle = num_layers - first - last
+        if pp < 3 or middle <= 0 or middle % (pp - 2):
+            raise ValueError(f"side: {num_layers} layers with first={first}, last={last} do not split evenly over "
+                             f"the {pp - 2} middle stages")
+        stages = (first, *[middle // (pp - 2)] * (pp - 2), last)
     etp = side.get("etp") if "etp" in side.sizes else tp   # Megatron's default: expert TP = TP
     if (tp * dp) % (ep * etp):
         raise ValueError(f"side: ep {ep} x etp {etp} must divide tp {tp} x dp {dp} (Megatron's expert groups; "
@@ -68,7 +76,7 @@ def megatron_parallel(side: Side, rank: int) -> MegatronParallel:
     tp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
     k = tp_rank + tp * dp_rank
     return MegatronParallel(tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank, ep=ep, ep_rank=(k // etp) % ep,
-                            etp=etp, etp_rank=k % etp, dp=dp, dp_rank=dp_rank)
+                            etp=etp, etp_rank=k % etp, dp=dp, dp_rank=dp_rank, layers_per_stage=stages)
 
 
 def rank_shards(spec: ModelSpec, side: Side, rank: int, dtype: str | None = None) -> tuple[list[Shard], dict[str, int]]:
@@ -89,7 +97,7 @@ def rank_shards(spec: ModelSpec, side: Side, rank: int, dtype: str | None = None
             local[name] = _Meta((rows, *shape[1:]), dtype)
         return fsdp2_shards(local, rank, side.get("dp"), canon), {"dp_rank": rank, "dp_size": side.get("dp")}
     if fw == "megatron":
-        par = megatron_parallel(side, rank)
+        par = megatron_parallel(side, rank, spec.num_layers)
         return megatron_shards(spec, par, dtype), par.as_dict()
     tp, dp, ep = side.get("tp"), side.get("dp"), side.get("ep")
     even(side.world, dp, rank // tp, "dp")
@@ -104,10 +112,22 @@ def side_layouts(spec: ModelSpec, side: Side, role: str, prefix: str, dtype: str
     if role == RECEIVER and side.framework not in RECEIVING:
         raise ValueError(f"dst: {side.framework} cannot receive (receivers: {', '.join(RECEIVING)})")
     out = []
+    cache: dict[tuple, list[Shard]] = {}   # ranks that differ only in dp_rank share one shard list
     for rank in range(side.world):
-        shards, parallel = rank_shards(spec, side, rank, dtype)
-        out.append(RankLayout(f"{prefix}-{rank}", role, side.framework, shards, parallel))
+        parallel = _coordinates(side, rank, spec.num_layers)
+        key = tuple(sorted((k, v) for k, v in parallel.items() if k != "dp_rank"))
+        if key not in cache or side.framework == "fsdp2":
+            cache[key], parallel = rank_shards(spec, side, rank, dtype)
+        out.append(RankLayout(f"{prefix}-{rank}", role, side.framework, cache[key], parallel))
     return out
+
+
+def _coordinates(side: Side, rank: int, num_layers: int) -> dict[str, int]:
+    if side.framework == "megatron":
+        return megatron_parallel(side, rank, num_layers).as_dict()
+    if side.framework in ("vllm", "sglang"):
+        return {"tp_rank": rank % side.get("tp"), "dp_rank": rank // side.get("tp")}
+    return {"dp_rank": rank}
 
 
 class _Meta:

@@ -1,8 +1,10 @@
-"""Shared memory (same host): a two-slot ring in /dev/shm, one bucket per slot.
+"""Shared memory (same host).
 
-The sender copies a bucket's regions from parameter memory into a free slot and says so on the control
-connection; the receiver copies the slot into views of its live tensors and acknowledges. Two slots let the
-sender fill one while the receiver drains the other: peak extra memory is two buckets per link.
+Fast path, cross-memory attach: the sender describes where its regions live and the receiver copies them
+with `process_vm_readv` straight into its live tensors (one copy, no staging). Fallback, when the kernel
+refuses: a two-slot ring in /dev/shm, one bucket per slot; the sender copies a bucket from parameter memory
+into a free slot, the receiver copies it into views of its live tensors and acknowledges. Peak extra memory:
+two buckets per link.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from typing import Any
 
 import torch
 
+from services.weight_exchange.client.transports import cma
 from services.weight_exchange.client.transports.base import Link, staged
 from services.weight_exchange.client.wire import TransportError, recv_frame, send_frame, set_deadline
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+USE_CMA = os.environ.get("MESHRL_WX_SHM_CMA", "1") != "0"
 
 
 def _buckets(buckets: list[int]) -> Iterator[tuple[int, list[int]]]:
@@ -47,6 +51,44 @@ class ShmTransport:
     name = "shm"
 
     def serve(self, conn: socket.socket, request: dict[str, Any], views: list[torch.Tensor], server: Any) -> None:
+        if request.get("cma") and all(v.device.type == "cpu" for v in views):
+            send_frame(conn, {"ok": True, "mode": "cma", "pid": os.getpid(), "views": [cma.describe(v) for v in views]})
+            if recv_frame(conn) == "done":
+                return
+        self._serve_ring(conn, request, views)
+
+    def pull(self, conn: socket.socket, reply: dict[str, Any], link: Link) -> None:
+        if reply.get("mode") == "cma":
+            try:
+                self._pull_cma(reply, link)
+                send_frame(conn, "done")
+                return
+            except cma.CmaUnavailable:
+                send_frame(conn, "ring")
+                set_deadline(conn, link.deadline)
+                reply = recv_frame(conn)
+        self._pull_ring(conn, reply, link)
+
+    @staticmethod
+    def request_options() -> dict[str, Any]:
+        return {"cma": USE_CMA}
+
+    def _pull_cma(self, reply: dict[str, Any], link: Link) -> None:
+        pid = int(reply["pid"])
+        staging = None
+        for k, (item, (ptr, shape, strides, itemsize)) in enumerate(zip(link.items, reply["views"], strict=True)):
+            link.current = k
+            assert item.dst is not None
+            remote = cma.runs(ptr, shape, strides, itemsize)
+            if str(item.dst.dtype).removeprefix("torch.") == item.dtype:
+                cma.read(pid, remote, cma.runs(*cma.describe(item.dst)))
+                continue
+            if staging is None:
+                staging = link.staging()
+            cma.read(pid, remote, [(staging.data_ptr(), item.num_bytes)])
+            item.dst.copy_(staged(staging, item))
+
+    def _serve_ring(self, conn: socket.socket, request: dict[str, Any], views: list[torch.Tensor]) -> None:
         sizes = [v.numel() * v.element_size() for v in views]
         buckets = [int(item[3]) for item in request["items"]]
         slot = max(_slot_bytes(sizes, buckets), 1)
@@ -59,7 +101,7 @@ class ShmTransport:
             os.close(fd)
         try:
             ring = torch.frombuffer(mm, dtype=torch.uint8)
-            send_frame(conn, {"ok": True, "path": path, "slot": slot})
+            send_frame(conn, {"ok": True, "mode": "ring", "path": path, "slot": slot})
             in_flight = 0
             for n, (_b, idx) in enumerate(_buckets(buckets)):
                 if in_flight == 2:
@@ -81,7 +123,7 @@ class ShmTransport:
             os.unlink(path)
             mm.close()
 
-    def pull(self, conn: socket.socket, reply: dict[str, Any], link: Link) -> None:
+    def _pull_ring(self, conn: socket.socket, reply: dict[str, Any], link: Link) -> None:
         slot = int(reply["slot"])
         fd = os.open(reply["path"], os.O_RDWR)
         try:

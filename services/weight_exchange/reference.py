@@ -1,8 +1,8 @@
 """The Hugging Face reference and each framework's sharding rule, written independently of the layouts.
 
 These follow how the frameworks load a checkpoint (torch chunk / narrow / cat, as in Megatron converters
-and vLLM / SGLang weight_loaders), not the region arithmetic of the layouts, so a test comparing the two
-checks the layouts.
+and vLLM / SGLang weight_loaders), not the region arithmetic of the layouts, so comparing a receiver's
+tensors with them checks layouts, planner and transports together (tests and the benchmark's `correct`).
 """
 
 from __future__ import annotations
@@ -13,12 +13,23 @@ from services.weight_exchange.client.layouts.model import ModelSpec
 from services.weight_exchange.client.layouts.topology import Side, megatron_parallel
 
 
-def hf_reference(spec: ModelSpec, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Deterministic random weights in the checkpoint namespace (any process rebuilds the same tensors)."""
+def hf_reference(spec: ModelSpec, seed: int, dtype: torch.dtype, fast: bool = False) -> dict[str, torch.Tensor]:
+    """Deterministic random weights in the checkpoint namespace (any process rebuilds the same tensors).
+
+    `fast`: random bytes instead of normal values (for large benchmark models; bit patterns may be NaN).
+    """
     out = {}
     for i, (name, shape) in enumerate(spec.canonical().items()):
         g = torch.Generator().manual_seed(seed * 1_000_003 + i)
-        out[name] = torch.randn(shape, generator=g).to(dtype)
+        if fast:
+            n = 1
+            for s in shape:
+                n *= s
+            raw = torch.randint(-(2 ** 31), 2 ** 31 - 1, ((n * dtype.itemsize + 3) // 4,), generator=g,
+                                dtype=torch.int32)
+            out[name] = raw.view(torch.uint8)[:n * dtype.itemsize].view(dtype).reshape(shape)
+        else:
+            out[name] = torch.randn(shape, generator=g).to(dtype)
     return out
 
 
@@ -33,7 +44,7 @@ def _ceil(n: int, m: int) -> int:
 def megatron_local(spec: ModelSpec, side: Side, rank: int, ref: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     par = megatron_parallel(side, rank)
     tp, r = par.tp, par.tp_rank
-    h, hd, ng = spec.hidden_size, spec.head_dim, spec.num_kv_heads
+    hd, ng = spec.head_dim, spec.num_kv_heads
     qpg = spec.num_heads // ng
     out: dict[str, torch.Tensor] = {}
     padded = _ceil(spec.vocab_size, 128 * tp)

@@ -1,0 +1,1 @@
+"""Benchmarks: one JSON line per case on stdout."""

@@ -1,0 +1,128 @@
+"""Run artifacts: metrics.jsonl (every event), the reward / accuracy plot, summary.json."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from services.common.contracts import builder_pb2_grpc, common_pb2, data_pb2, rollout_pb2_grpc, trainer_pb2_grpc
+
+KIND = {data_pb2.VERSION_KIND_TRAINED: "trained", data_pb2.VERSION_KIND_DEPLOYED: "deployed",
+        data_pb2.VERSION_KIND_CHECKPOINT: "checkpoint", data_pb2.VERSION_KIND_EVAL: "eval",
+        data_pb2.VERSION_KIND_RUN_END: "run_end"}
+
+
+class EventLog:
+    """Every version event of a run, appended to metrics.jsonl as it arrives."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self.path = path
+        self.records: list[dict] = []
+
+    def add(self, event: data_pb2.VersionEvent) -> None:
+        record = {"kind": KIND.get(event.kind, "unknown"), "version": event.version, "at": event.at,
+                  **({"checkpoint_path": event.checkpoint_path} if event.checkpoint_path else {}),
+                  **dict(event.metrics)}
+        self.records.append(record)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def of(self, kind: str) -> list[dict]:
+        return [r for r in self.records if r["kind"] == kind]
+
+    @property
+    def version(self) -> int:
+        return max((r["version"] for r in self.of("trained")), default=0)
+
+    @property
+    def deployed(self) -> int:
+        return max((r["version"] for r in self.of("deployed")), default=0)
+
+    @property
+    def last_reward(self) -> float:
+        trained = self.of("trained")
+        return trained[-1].get("reward_mean", 0.0) if trained else 0.0
+
+    @property
+    def last_accuracy_text(self) -> str:
+        evals = self.of("eval")
+        return f"{evals[-1]['accuracy']:.3f}" if evals else "-"
+
+    @property
+    def max_staleness(self) -> int:
+        return int(max((r.get("max_staleness_trained", 0) for r in self.of("trained")), default=0))
+
+
+def _statuses(stack) -> dict:
+    out = {}
+    stubs = {"builder": builder_pb2_grpc.BuilderServiceStub, "trainer": trainer_pb2_grpc.TrainerServiceStub,
+             "rollout": rollout_pb2_grpc.RolloutServiceStub}
+    for service, stub in stubs.items():
+        with grpc.insecure_channel(stack.address(service)) as channel:
+            try:
+                reply = stub(channel).Status(common_pb2.StatusRequest(), timeout=5)
+                out[service] = MessageToDict(reply, preserving_proto_field_name=True,
+                                             always_print_fields_with_no_presence=True)
+            except grpc.RpcError as exc:
+                out[service] = {"error": str(exc.code())}
+    return out
+
+
+def plot(events: EventLog, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    trained, evals = events.of("trained"), events.of("eval")
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot([r["version"] for r in trained], [r.get("reward_mean", 0) for r in trained], label="train reward (batch mean)")
+    ax.plot([r["version"] for r in evals], [r["accuracy"] for r in evals], "o-", label="held-out accuracy (greedy)")
+    ax.set_xlabel("policy version (training steps)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("meshrl: asynchronous GRPO")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_report(stack, events: EventLog, run_dir: pathlib.Path, *, plan: dict, seed: int, algo: str,
+                 wall_seconds: float, completed: bool) -> dict:
+    status = _statuses(stack)
+    evals = events.of("eval")
+    trained = events.of("trained")
+    builder, trainer, rollout = status.get("builder", {}), status.get("trainer", {}), status.get("rollout", {})
+    before = evals[0]["accuracy"] if evals else None
+    finals = [e for e in evals if e.get("final")]
+    after = finals[-1]["accuracy"] if finals else None
+    summary = {
+        "completed": completed,
+        "algo": algo,
+        "eval_accuracy_before": before,
+        "eval_accuracy_after": after,
+        "eval_accuracy_gain": None if before is None or after is None else after - before,
+        "steps": events.version,
+        "wall_seconds": round(wall_seconds, 1),
+        "trajectories_generated": int(rollout.get("trajectories_published", 0)),
+        "trajectories_trained": int(trainer.get("trajectories_trained", 0)),
+        "trajectories_dropped_stale": int(builder.get("trajectories_dropped_stale", 0)),
+        "max_staleness_trained": int(trainer.get("max_staleness_trained", 0)),
+        "max_versions_in_one_trajectory": int(max((r.get("max_versions_in_one_trajectory", 0) for r in trained),
+                                                  default=0)),
+        "interrupted_sequences": int(rollout.get("interrupted_sequences", 0)),
+        "weight_updates_applied": int(rollout.get("weight_updates", 0)),
+        "eta": int(plan["services"]["builder"].get("max_staleness", 0)),
+        "seed": seed,
+        "eval_curve": [{"version": e["version"], "accuracy": e["accuracy"]} for e in evals],
+        "final_checkpoint": next((c["checkpoint_path"] for c in reversed(events.of("checkpoint"))), None),
+        "status": status,
+    }
+    if trained or evals:
+        plot(events, run_dir / "reward_accuracy.png")
+    return summary

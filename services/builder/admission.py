@@ -1,0 +1,56 @@
+"""The staleness budget: admit prompt work only while accepted + in_flight <= (version + eta + 1) * batch_size.
+
+Counts are in groups (one prompt work = one group of samples). A group that is dropped (stale or
+failed) releases its slot. eta = 0 is synchronous RL. Pure state, no I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class StalenessBudget:
+    batch_size: int
+    max_staleness: int
+    version: int = 0
+    accepted: int = 0
+    in_flight: int = 0
+    dropped: int = 0
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size: must be >= 1, got {self.batch_size}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness: must be >= 0, got {self.max_staleness}")
+
+    @property
+    def limit(self) -> int:
+        return (self.version + self.max_staleness + 1) * self.batch_size
+
+    def capacity(self) -> int:
+        return max(0, self.limit - (self.accepted + self.in_flight))
+
+    def try_issue(self) -> bool:
+        if self.capacity() <= 0:
+            return False
+        self.in_flight += 1
+        assert self.accepted + self.in_flight <= self.limit
+        return True
+
+    def on_complete(self, *, accepted: bool) -> None:
+        assert self.in_flight > 0, "completion without an issued group"
+        self.in_flight -= 1
+        if accepted:
+            self.accepted += 1
+        else:
+            self.dropped += 1
+
+    def on_unaccept(self) -> None:
+        """A group that was accepted got dropped later (stale at batch time): release its slot."""
+        assert self.accepted > 0
+        self.accepted -= 1
+        self.dropped += 1
+
+    def on_version(self, version: int) -> None:
+        self.version = max(self.version, version)

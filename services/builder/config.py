@@ -1,0 +1,34 @@
+"""The builder service's configuration."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from services.builder.tasks import SamplingConfig
+from services.common.config import ServiceConfig
+
+
+@dataclasses.dataclass(kw_only=True)
+class BuilderConfig(ServiceConfig):
+    grpc_address: str = "127.0.0.1:50053"
+    model_path: str = "artifacts/models/tiny-qwen3"  # for the tokenizer that encodes prompts
+    seed: int = 0
+    source: str = "dataset"       # "dataset": issue prompt work; "online": only group arriving (gateway) trajectories
+    batch_size: int = 16          # groups per training batch
+    group_size: int = 8           # samples per prompt
+    max_staleness: int = 1        # eta
+    total_steps: int = 0          # batches to publish; 0 = unbounded
+    train_size: int = 5000
+    eval_size: int = 200
+    eval_every: int = 10          # versions between held-out evals (0: only before and after)
+    sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
+    eval_max_new_tokens: int = 8
+
+    def __post_init__(self) -> None:
+        if self.source not in ("dataset", "online"):
+            raise ValueError(f"source: must be 'dataset' or 'online', got {self.source!r}")
+        for name in ("batch_size", "group_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness: must be >= 0, got {self.max_staleness}")

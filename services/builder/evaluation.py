@@ -1,0 +1,54 @@
+"""Held-out evaluation rounds: which versions to evaluate and the accuracy of each round. No I/O."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class EvalRound:
+    round_id: int
+    version: int          # trainer version when the round was issued
+    expected: int
+    final: bool = False
+    rewards: dict[str, float] = dataclasses.field(default_factory=dict)
+    token_versions: set[int] = dataclasses.field(default_factory=set)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.rewards) >= self.expected
+
+    @property
+    def accuracy(self) -> float:
+        return sum(1.0 for r in self.rewards.values() if r > 0) / max(1, len(self.rewards))
+
+
+class EvalTracker:
+    def __init__(self, every: int) -> None:
+        if every < 0:
+            raise ValueError(f"eval_every: must be >= 0, got {every}")
+        self.every = every
+        self.rounds: dict[int, EvalRound] = {}
+        self._evaluated: set[int] = set()
+
+    def due(self, version: int) -> bool:
+        return self.every > 0 and version % self.every == 0 and version not in self._evaluated
+
+    def start(self, version: int, expected: int, *, final: bool = False) -> EvalRound:
+        self._evaluated.add(version)
+        rnd = EvalRound(len(self.rounds), version, expected, final=final)
+        self.rounds[rnd.round_id] = rnd
+        return rnd
+
+    def record(self, round_id: int, task_id: str, reward: float, versions: list[int]) -> EvalRound | None:
+        """Returns the round when this result completed it; a repeated task result is ignored."""
+        rnd = self.rounds.get(round_id)
+        if rnd is None or rnd.complete or task_id in rnd.rewards:
+            return None
+        rnd.rewards[task_id] = reward
+        rnd.token_versions.update(v for v in versions if v >= 0)
+        return rnd if rnd.complete else None
+
+    @property
+    def pending(self) -> bool:
+        return any(not r.complete for r in self.rounds.values())

@@ -1,0 +1,85 @@
+"""Grouping trajectories by prompt and assembling training batches with the staleness filter. No I/O."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+from services.common.contracts import data_pb2
+
+
+@dataclasses.dataclass
+class Group:
+    group_id: str
+    size: int
+    members: dict[str, data_pb2.Trajectory] = dataclasses.field(default_factory=dict)
+    acks: list[Any] = dataclasses.field(default_factory=list)  # opaque handles acked when the group is consumed
+
+    @property
+    def complete(self) -> bool:
+        return len(self.members) >= self.size
+
+    def oldest_version(self) -> int | None:
+        versions = [v for t in self.members.values() for v in t.versions if v >= 0]
+        return min(versions) if versions else None
+
+    def staleness(self, train_version: int) -> int:
+        oldest = self.oldest_version()
+        return 0 if oldest is None else train_version - oldest
+
+
+class GroupAssembler:
+    """Collects trajectories until each group has `group_size` distinct members."""
+
+    def __init__(self) -> None:
+        self.open: dict[str, Group] = {}
+        self.ready: collections.deque[Group] = collections.deque()
+        self.duplicates = 0
+
+    def add(self, traj: data_pb2.Trajectory, ack: Any = None) -> Group | None:
+        """Returns the group when this trajectory completed it. A trajectory seen before is ignored."""
+        if traj.group_size < 1:
+            raise ValueError(f"group_size: must be >= 1, got {traj.group_size}")
+        group = self.open.get(traj.group_id)
+        if group is None:
+            group = self.open[traj.group_id] = Group(traj.group_id, traj.group_size)
+        if ack is not None:
+            group.acks.append(ack)
+        if traj.trajectory_id in group.members:
+            self.duplicates += 1
+            return None
+        group.members[traj.trajectory_id] = traj
+        if group.complete:
+            del self.open[traj.group_id]
+            self.ready.append(group)
+            return group
+        return None
+
+
+@dataclasses.dataclass
+class BatchResult:
+    batch: data_pb2.TrainingBatch | None
+    groups: list[Group]           # groups in the batch
+    stale: list[Group]            # groups dropped for staleness
+
+
+def assemble_batch(ready: collections.deque[Group], *, batch_size: int, index: int, max_staleness: int,
+                   batch_id: str, created_at: float) -> BatchResult:
+    """Take complete groups until `batch_size` fresh ones are found; batch `index` trains at version `index`.
+
+    Stale groups (oldest token older than index - eta) are removed from `ready` and returned. When fewer
+    than batch_size fresh groups remain, the fresh ones go back and no batch is made.
+    """
+    fresh: list[Group] = []
+    stale: list[Group] = []
+    while ready and len(fresh) < batch_size:
+        group = ready.popleft()
+        (stale if group.staleness(index) > max_staleness else fresh).append(group)
+    if len(fresh) < batch_size:
+        ready.extendleft(reversed(fresh))
+        return BatchResult(None, [], stale)
+    batch = data_pb2.TrainingBatch(
+        batch_id=batch_id, index=index, created_at=created_at, dropped_stale=sum(len(g.members) for g in stale),
+        trajectories=[t for g in fresh for t in sorted(g.members.values(), key=lambda t: t.trajectory_id)])
+    return BatchResult(batch, fresh, stale)

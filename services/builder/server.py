@@ -1,0 +1,255 @@
+"""The builder service's edges: issues prompt work under the staleness budget, groups scored
+trajectories into training batches, runs held-out evals, serves gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import msgpack
+import prometheus_client
+from transformers import AutoTokenizer
+
+from services.builder.admission import StalenessBudget
+from services.builder.config import BuilderConfig
+from services.builder.datasets import generate_split
+from services.builder.evaluation import EvalRound, EvalTracker
+from services.builder.grouping import Group, GroupAssembler, assemble_batch
+from services.builder.tasks import make_work, train_stream
+from services.common.bus import (
+    SUBJECT_BATCHES,
+    SUBJECT_PROMPTS,
+    SUBJECT_VERSIONS,
+    Bus,
+    InvalidMessage,
+    consume,
+    decoder,
+)
+from services.common.contracts import builder_pb2, builder_pb2_grpc, common_pb2, data_pb2
+from services.common.ids import new_id, now
+from services.common.logging import get_logger
+from services.common.rpc import Servicer, start_server
+from services.common.service import supervise
+
+ISSUED = prometheus_client.Counter("meshrl_builder_groups_issued_total", "Prompt groups issued")
+BATCHES = prometheus_client.Counter("meshrl_builder_batches_total", "Training batches published")
+DROPPED = prometheus_client.Counter("meshrl_builder_dropped_stale_total", "Trajectories dropped as stale")
+CAPACITY = prometheus_client.Gauge("meshrl_builder_capacity", "Groups that may still be admitted")
+
+
+class Builder:
+    def __init__(self, config: BuilderConfig, bus: Bus, encode, stop_token_ids: list[int]) -> None:
+        self.config = config
+        self.bus = bus
+        self.encode = encode
+        self.train_sampling = config.sampling.to_proto(stop_token_ids)
+        self.eval_sampling = data_pb2.SamplingParams(temperature=0.0, top_p=1.0,
+                                                     max_new_tokens=config.eval_max_new_tokens,
+                                                     stop_token_ids=stop_token_ids)
+        self.budget = StalenessBudget(config.batch_size, config.max_staleness)
+        self.assembler = GroupAssembler()
+        self.evals = EvalTracker(config.eval_every)
+        self.eval_tasks = generate_split("eval", config.eval_size, config.seed)
+        self.train = train_stream(config.train_size, config.seed)
+        self.consumed_groups: set[str] = set()
+        self.changed = asyncio.Event()
+        self.admitting = asyncio.Event()
+        self.admitting.set()
+        self.deployed_version = 0
+        self.batches_published = 0
+        self.issued = 0
+        self.received = 0
+        self.dropped_stale = 0
+        self.reward_sum = 0.0
+        self.max_staleness_published = 0
+        self.final_round: EvalRound | None = None
+        self.finished = asyncio.Event()
+        self.log = get_logger()
+
+    # issuing ------------------------------------------------------------------------------------------
+    @property
+    def train_target_reached(self) -> bool:
+        total = self.config.total_steps
+        return bool(total) and self.budget.accepted + self.budget.in_flight >= total * self.config.batch_size
+
+    async def issue_loop(self, stop: asyncio.Event) -> None:
+        if self.config.source != "dataset":
+            return
+        first = await self.issue_eval(self.budget.version)
+        await _until(lambda: first.complete, self.changed, stop)
+        while not stop.is_set() and not self.finished.is_set():
+            if await self.issue_once():
+                continue
+            self.changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), timeout=1.0)
+
+    async def issue_once(self) -> bool:
+        version = self.budget.version
+        total = self.config.total_steps
+        if total and self.batches_published >= total and version >= total and self.deployed_version >= total:
+            if self.final_round is None and not self.evals.pending:
+                self.final_round = await self.issue_eval(version, final=True)
+            return False
+        if self.evals.due(version) and self.deployed_version >= version and not self.evals.pending:
+            await self.issue_eval(version)
+            return True
+        if not self.admitting.is_set() or self.train_target_reached or not self.budget.try_issue():
+            CAPACITY.set(self.budget.capacity())
+            return False
+        task = next(self.train)
+        group_id = new_id("g")
+        work = make_work(task, work_id=group_id, group_id=group_id, group_size=self.config.group_size,
+                         encode=self.encode, sampling=self.train_sampling, version=version, split="train",
+                         issued_at=now())
+        await self.bus.publish(SUBJECT_PROMPTS, work, work.work_id)
+        self.issued += 1
+        ISSUED.inc()
+        return True
+
+    async def issue_eval(self, version: int, *, final: bool = False) -> EvalRound:
+        rnd = self.evals.start(version, len(self.eval_tasks), final=final)
+        for i, task in enumerate(self.eval_tasks):
+            work_id = f"eval-{rnd.round_id}-{i}"
+            work = make_work(task, work_id=work_id, group_id=work_id, group_size=1, encode=self.encode,
+                             sampling=self.eval_sampling, version=version, split="eval", issued_at=now(),
+                             extra={"eval_round": rnd.round_id})
+            await self.bus.publish(SUBJECT_PROMPTS, work, f"{work_id}-{self.config.seed}-{id(self)}")
+        self.log.info("eval_issued", round=rnd.round_id, version=version, final=final, n=rnd.expected)
+        return rnd
+
+    # consuming ----------------------------------------------------------------------------------------
+    async def handle_scored(self, traj: data_pb2.Trajectory, msg) -> None:
+        if not traj.trajectory_id or not traj.group_id:
+            raise InvalidMessage("trajectory_id / group_id: missing")
+        if traj.split == "eval":
+            await self._record_eval(traj)
+            await msg.ack()
+            return
+        if traj.group_id in self.consumed_groups:
+            await msg.ack()  # a redelivery of a group already batched or dropped
+            return
+        try:
+            group = self.assembler.add(traj, ack=msg)
+        except ValueError as exc:
+            raise InvalidMessage(str(exc)) from exc
+        if group is None:
+            return
+        self.received += len(group.members)
+        self.reward_sum += sum(t.reward for t in group.members.values())
+        if traj.source == "workflow":
+            self.budget.on_complete(accepted=True)
+        await self.flush_batches()
+        self.changed.set()
+
+    async def flush_batches(self) -> None:
+        total = self.config.total_steps
+        while len(self.assembler.ready) >= self.config.batch_size and not (total and self.batches_published >= total):
+            index = self.batches_published
+            result = assemble_batch(self.assembler.ready, batch_size=self.config.batch_size, index=index,
+                                    max_staleness=self.config.max_staleness, batch_id=f"batch-{index}",
+                                    created_at=now())
+            for group in result.stale:
+                await self._retire(group)
+                self.dropped_stale += len(group.members)
+                DROPPED.inc(len(group.members))
+                if next(iter(group.members.values())).source == "workflow":
+                    self.budget.on_unaccept()
+            if result.batch is None:
+                break
+            await self.bus.publish(SUBJECT_BATCHES, result.batch, result.batch.batch_id)
+            self.batches_published += 1
+            BATCHES.inc()
+            self.max_staleness_published = max([self.max_staleness_published,
+                                                *(g.staleness(index) for g in result.groups)])
+            for group in result.groups:
+                await self._retire(group)
+            self.log.info("batch_published", index=index, groups=len(result.groups), stale_dropped=len(result.stale))
+
+    async def _retire(self, group: Group) -> None:
+        self.consumed_groups.add(group.group_id)
+        for msg in group.acks:
+            with contextlib.suppress(Exception):
+                await msg.ack()
+
+    async def _record_eval(self, traj: data_pb2.Trajectory) -> None:
+        meta = msgpack.unpackb(traj.metadata, raw=False) if traj.metadata else {}
+        rnd = self.evals.record(int(meta.get("eval_round", -1)), traj.task_id, traj.reward, list(traj.versions))
+        if rnd is None:
+            return
+        self.changed.set()
+        versions = sorted(rnd.token_versions) or [rnd.version]
+        event = data_pb2.VersionEvent(
+            event_id=f"eval-{rnd.round_id}", version=rnd.version, kind=data_pb2.VERSION_KIND_EVAL, at=now(),
+            metrics={"accuracy": rnd.accuracy, "n": float(len(rnd.rewards)), "final": float(rnd.final),
+                     "min_token_version": float(versions[0]), "max_token_version": float(versions[-1])})
+        await self.bus.publish(SUBJECT_VERSIONS, event, f"{event.event_id}-{id(self)}")
+        self.log.info("eval_done", round=rnd.round_id, version=rnd.version, accuracy=rnd.accuracy, final=rnd.final)
+        if rnd.final:
+            end = data_pb2.VersionEvent(event_id="run-end", version=rnd.version, kind=data_pb2.VERSION_KIND_RUN_END,
+                                        at=now(), metrics={"eval_accuracy": rnd.accuracy})
+            await self.bus.publish(SUBJECT_VERSIONS, end, f"run-end-{id(self)}")
+            self.finished.set()
+
+    async def handle_version(self, event: data_pb2.VersionEvent) -> None:
+        if event.kind == data_pb2.VERSION_KIND_TRAINED:
+            self.budget.on_version(event.version)
+        elif event.kind == data_pb2.VERSION_KIND_DEPLOYED:
+            self.deployed_version = max(self.deployed_version, event.version)
+        self.changed.set()
+
+    def status(self) -> builder_pb2.BuilderStatus:
+        b = self.budget
+        return builder_pb2.BuilderStatus(
+            policy_version=b.version, max_staleness=b.max_staleness, batch_size=b.batch_size,
+            groups_issued=self.issued, groups_in_flight=b.in_flight, groups_accepted=b.accepted,
+            batches_published=self.batches_published, trajectories_received=self.received,
+            trajectories_dropped_stale=self.dropped_stale, capacity=b.capacity(),
+            paused=not self.admitting.is_set(), mean_reward=self.reward_sum / self.received if self.received else 0.0)
+
+
+async def _until(predicate, changed: asyncio.Event, stop: asyncio.Event) -> None:
+    while not predicate() and not stop.is_set():
+        changed.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(changed.wait(), timeout=1.0)
+
+
+class BuilderServicer(builder_pb2_grpc.BuilderServiceServicer):
+    def __init__(self, builder: Builder) -> None:
+        self.b = builder
+
+    async def Status(self, request, context):
+        return self.b.status()
+
+    async def Pause(self, request, context):
+        self.b.admitting.clear()
+        return common_pb2.Ack(ok=True, message="admission paused")
+
+    async def Resume(self, request, context):
+        self.b.admitting.set()
+        self.b.changed.set()
+        return common_pb2.Ack(ok=True, message="admission resumed")
+
+
+async def serve(config: BuilderConfig, stop: asyncio.Event) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+    bus = await Bus.connect(config.nats_url, name="builder")
+    builder = Builder(config, bus, lambda text: tokenizer.encode(text, add_special_tokens=False),
+                      [tokenizer.eos_token_id])
+    rpc = await start_server(config.grpc_address, [Servicer(
+        builder_pb2_grpc.add_BuilderServiceServicer_to_server, BuilderServicer(builder),
+        builder_pb2.DESCRIPTOR.services_by_name["BuilderService"].full_name)], auth_token=config.auth_token)
+    get_logger().info("serving", grpc_port=rpc.port, batch_size=config.batch_size, eta=config.max_staleness)
+    tasks = [
+        asyncio.create_task(consume(bus, "builder-versions", decoder(data_pb2.VersionEvent), builder.handle_version,
+                                    stop)),
+        asyncio.create_task(consume(bus, "builder", decoder(data_pb2.Trajectory), builder.handle_scored, stop,
+                                    concurrency=64, manual_ack=True)),
+        asyncio.create_task(builder.issue_loop(stop)),
+    ]
+    supervise(tasks, stop)
+    await stop.wait()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await rpc.stop()
+    await bus.close()

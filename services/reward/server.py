@@ -1,0 +1,66 @@
+"""The reward service's edges: a queue-group consumer on traj.raw, publishes traj.scored, serves gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+
+import prometheus_client
+from transformers import AutoTokenizer
+
+from services.common.bus import SUBJECT_TRAJ_SCORED, Bus, consume, decoder
+from services.common.contracts import data_pb2, reward_pb2, reward_pb2_grpc
+from services.common.logging import get_logger
+from services.common.rpc import Servicer, invalid_argument, start_server
+from services.reward.config import RewardConfig
+from services.reward.scoring import Scorer, decode_metadata
+from services.reward.verifiers import VERIFIERS
+
+SCORED = prometheus_client.Counter("meshrl_reward_scored_total", "Trajectories scored")
+REWARD = prometheus_client.Summary("meshrl_reward_value", "Rewards given")
+
+
+class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
+    def __init__(self, scorer: Scorer, stats: dict[str, float]) -> None:
+        self.scorer = scorer
+        self.stats = stats
+
+    async def Score(self, request, context):
+        if request.verifier and request.verifier not in VERIFIERS:
+            await invalid_argument(context, "verifier", f"unknown {request.verifier!r}")
+        try:
+            task = decode_metadata(request.metadata)
+            verdict = self.scorer.score_text(request.verifier, request.response, task)
+        except ValueError as exc:
+            await invalid_argument(context, "metadata", str(exc))
+        return reward_pb2.ScoreReply(reward=verdict.reward, detail=verdict.detail)
+
+    async def ListVerifiers(self, request, context):
+        return reward_pb2.ListVerifiersReply(verifiers=sorted(VERIFIERS))
+
+    async def Status(self, request, context):
+        n = self.stats["scored"]
+        return reward_pb2.RewardStatus(scored=int(n), mean_reward=self.stats["reward_sum"] / n if n else 0.0)
+
+
+async def serve(config: RewardConfig, stop: asyncio.Event) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+    scorer = Scorer(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), config.default_verifier)
+    stats = {"scored": 0.0, "reward_sum": 0.0}
+    bus = await Bus.connect(config.nats_url, name="reward")
+
+    async def handle(traj: data_pb2.Trajectory) -> None:
+        scored = scorer.score(traj)
+        await bus.publish(SUBJECT_TRAJ_SCORED, scored, scored.trajectory_id)
+        stats["scored"] += 1
+        stats["reward_sum"] += scored.reward
+        SCORED.inc()
+        REWARD.observe(scored.reward)
+
+    servicer = RewardServicer(scorer, stats)
+    rpc = await start_server(config.grpc_address, [Servicer(
+        reward_pb2_grpc.add_RewardServiceServicer_to_server, servicer,
+        reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name)], auth_token=config.auth_token)
+    get_logger().info("serving", grpc_port=rpc.port)
+    await consume(bus, "reward", decoder(data_pb2.Trajectory), handle, stop, concurrency=config.concurrency)
+    await rpc.stop()
+    await bus.close()

@@ -1,0 +1,22 @@
+"""Numeric / symbolic answers checked with math-verify."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import math_verify
+
+from services.reward.verifiers.base import Verdict, extract, reference_answer
+
+
+class MathVerifier:
+    name = "math"
+
+    def score(self, response: str, task: Mapping[str, Any]) -> Verdict:
+        gold = reference_answer(task)
+        answer = extract(response, str(task.get("extract", "all")))
+        if answer is None:
+            return Verdict(0.0, "no answer found")
+        ok = math_verify.verify(math_verify.parse(gold), math_verify.parse(answer), timeout_seconds=None)
+        return Verdict(1.0 if ok else 0.0, f"answer {answer!r} vs {gold!r}")

@@ -1,0 +1,21 @@
+"""The rollout service's configuration."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from services.common.config import ServiceConfig
+from services.rollout.engines.torch_engine import EngineConfig
+
+
+@dataclasses.dataclass(kw_only=True)
+class RolloutConfig(ServiceConfig):
+    grpc_address: str = "127.0.0.1:50051"
+    rank_id: str = "rollout-0"
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    concurrency: int = 64  # prompt-work messages generated at once
+    wx_address: str = "127.0.0.1:50055"  # weight_exchange; empty: no weight updates
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency: must be >= 1, got {self.concurrency}")

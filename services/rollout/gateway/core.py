@@ -1,0 +1,211 @@
+"""The gateway's state and its one generation path; the HTTP layer only parses, calls these, and renders."""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import time
+import uuid
+from typing import Any
+
+from services.common.contracts import data_pb2
+from services.common.logging import get_logger
+from services.rollout.engines.sequence import Sampling
+from services.rollout.gateway.backend import EngineBackend, Sampled
+from services.rollout.gateway.chat_format import ChatFormat
+from services.rollout.gateway.config import GatewayConfig
+from services.rollout.gateway.dedupe import ReplayCache
+from services.rollout.gateway.errors import ApiError, bad_request
+from services.rollout.gateway.messages import GenRequest
+from services.rollout.gateway.outbox import Outbox, Publish
+from services.rollout.gateway.outputs import ChoiceDecoder
+from services.rollout.gateway.runs import Completion, LiveRun, ReplayRun, Run
+from services.rollout.gateway.session import Interaction, Session, SessionStore, transcript_key
+from services.rollout.gateway.tokens import Prompt, chat_prompt, completion_prompt
+from services.rollout.gateway.toolcalls import forced_prefix
+
+ID_PREFIX = {"chat": "chatcmpl-", "completions": "cmpl-", "responses": "resp_", "messages": "msg_"}
+CALL_PREFIX = {"messages": "toolu_", "responses": "call_"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Caller:
+    session: Session | None   # None: the admin key (served, not recorded)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayKey:
+    key: str          # body digest, or "idem:<Idempotency-Key>"
+    is_retry: bool    # x-stainless-retry-count > 0, or an Idempotency-Key (always looked up)
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, engine: Any, tokenizer: Any, publish: Publish, capacity=None) -> None:
+        self.config = config
+        self.fmt = ChatFormat(tokenizer, config.extra_stop_tokens)
+        self.backend = EngineBackend(engine, capacity=capacity, max_wait_s=config.max_wait_s,
+                                     poll_s=config.poll_interval_s, retry_after_s=config.retry_after_s)
+        self.max_context = config.max_context or self.backend.max_context or getattr(tokenizer, "model_max_length", 4096)
+        self.sessions = SessionStore(config.max_sessions)
+        self.replays = ReplayCache(config.replay_ttl_s)
+        self.outbox = Outbox(publish)
+        self.inflight = 0
+        self.requests = 0
+        self.replayed = 0
+        self.rejected_busy = 0
+
+    # identity ------------------------------------------------------------------------------------------
+    def is_admin(self, token: str | None) -> bool:
+        return bool(token) and hmac.compare_digest(token.encode(), self.config.admin_key.encode())
+
+    def caller(self, token: str | None) -> Caller:
+        """Model routes: a live session's key, or the admin key (not recorded)."""
+        if not token:
+            raise ApiError(401, "missing API key: send the session key as 'Authorization: Bearer <key>' or 'x-api-key'")
+        if self.is_admin(token):
+            if not self.config.allow_admin_requests:
+                raise ApiError(403, "the admin key cannot call model routes; start a session with /rl/start_session")
+            return Caller(None)
+        session = self.sessions.by_key(token)
+        if session is None:
+            raise ApiError(401, "unknown API key: start a session with POST /rl/start_session")
+        if not session.active:
+            raise ApiError(409, f"session {session.id} has ended ({session.end_reason}); start a new one with /rl/start_session")
+        return Caller(session)
+
+    # generation -----------------------------------------------------------------------------------------
+    async def run(self, req: GenRequest, caller: Caller, replay: ReplayKey | None = None) -> Run:
+        """Admit, build the prompt, submit. Raises ApiError before anything streams; records on completion."""
+        session = caller.session
+        self.requests += 1
+        token = None
+        if session is not None and replay is not None:
+            first = self.replays.lookup(session.id, replay.key) if replay.is_retry else None
+            if first is not None and (done := await first) is not None:
+                self.replayed += 1
+                return ReplayRun(done)
+            token = self.replays.register(session.id, replay.key)
+        self.inflight += 1
+        if session is not None:
+            session.inflight += 1
+        try:
+            await self._admit()
+            prompt = self._prompt(req, session)
+            sampling = self._sampling(req, len(prompt.ids))
+            return self._launch(req, session, prompt, sampling, replay, token)
+        except BaseException:
+            self._done(session, replay, token)
+            raise
+
+    async def _admit(self) -> None:
+        try:
+            await self.backend.admit()
+        except ApiError:
+            self.rejected_busy += 1
+            raise
+
+    def _launch(self, req: GenRequest, session: Session | None, prompt: Prompt, sampling: Sampling,
+                replay: ReplayKey | None, token) -> LiveRun:
+        completion_id = ID_PREFIX[req.api] + uuid.uuid4().hex[:24]
+        call_prefix = CALL_PREFIX.get(req.api, "call_")
+        decoders = [ChoiceDecoder(i, self.fmt.decode, stop=req.stop, parse_tools=req.parses_tools,
+                                  prefix_text=prompt.forced_text, new_call_id=lambda: call_prefix + uuid.uuid4().hex[:24])
+                    for i in range(req.n)]
+        version = self.backend.version
+        try:
+            sampled = self.backend.submit(prompt.ids, sampling, req.n)
+        except RuntimeError as exc:
+            raise ApiError(503, f"the engine is not accepting work: {exc}") from exc
+
+        def finalize(pairs: list[tuple[Sampled, ChoiceDecoder]]) -> Completion:
+            choices = [d.result(*_lists(s), engine_finish=_finish_reason(s), stop_token_ids=self.fmt.stop_token_ids)
+                       for s, d in pairs]
+            completion = Completion(id=completion_id, created=int(time.time()), model=req.model or self.config.model_name,
+                                    prompt=prompt, choices=choices, version=version)
+            self._record(req, session, completion)
+            if token is not None:
+                self.replays.resolve(session.id, replay.key, token, completion)
+            return completion
+
+        return LiveRun(completion_id, int(time.time()), prompt, sampled, decoders, stream=req.stream,
+                       poll_s=self.config.poll_interval_s, timeout_s=self.config.request_timeout_s,
+                       finalize=finalize, on_exit=lambda: self._done(session, replay, token))
+
+    def _done(self, session: Session | None, replay: ReplayKey | None, token) -> None:
+        self.inflight -= 1
+        if session is not None:
+            session.inflight -= 1
+        if token is not None and not token.done():
+            self.replays.fail(session.id, replay.key, token)
+
+    def _continue_response(self, req: GenRequest, session: Session | None) -> list:
+        prev = session.by_response(req.previous_response_id) if session else []
+        if not prev or prev[0].messages is None:
+            raise bad_request("previous_response_id", f"{req.previous_response_id!r} is not a response of this session")
+        return [*prev[0].messages, prev[0].response, *req.messages]
+
+    def _prompt(self, req: GenRequest, session: Session | None) -> Prompt:
+        if req.previous_response_id:
+            req.messages = self._continue_response(req, session)
+        if req.api == "completions":
+            prompt = completion_prompt(self.fmt, req.prompt, session)
+            field = "prompt"
+        else:
+            forced = forced_prefix(req.tool_choice) if req.tools else ""
+            prompt = chat_prompt(self.fmt, req.messages, req.tools, session, forced, req.template_kwargs)
+            field = {"responses": "input"}.get(req.api, "messages")
+        if len(prompt.ids) >= self.max_context:
+            raise bad_request(field, f"the prompt is {len(prompt.ids)} tokens; the model's context holds {self.max_context}")
+        return prompt
+
+    def _sampling(self, req: GenRequest, prompt_len: int) -> Sampling:
+        room = self.max_context - prompt_len
+        wanted = min(req.max_tokens or self.config.default_max_tokens or room, self.config.max_tokens_cap or room)
+        try:
+            return Sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                            max_new_tokens=max(1, min(wanted, room)), stop_token_ids=tuple(sorted(self.fmt.stop_token_ids)))
+        except ValueError as exc:
+            field = str(exc).split(":")[0]
+            raise bad_request({"max_new_tokens": "max_tokens"}.get(field, field), str(exc).split(":", 1)[-1].strip()) from exc
+
+    def _record(self, req: GenRequest, session: Session | None, completion: Completion) -> None:
+        if session is None:
+            return
+        if not session.active:
+            get_logger().warning("gateway_interaction_after_end", session_id=session.id, interaction_id=completion.id)
+            return
+        prompt, chat = completion.prompt, req.messages is not None
+        for choice in completion.choices:
+            response = choice.message() if chat else None
+            session.add(Interaction(
+                id=completion.id if choice.index == 0 else f"{completion.id}-{choice.index}", response_id=completion.id,
+                api=req.api, parent_id=prompt.parent.id if prompt.parent else None, prompt_ids=list(prompt.ids),
+                output_ids=choice.output_ids, logprobs=choice.logprobs, versions=choice.versions,
+                finish_reason=choice.finish_reason, ended_on_stop_token=choice.ended_on_stop_token,
+                render_text=prompt.render_text, output_text=choice.content if not chat else "",
+                messages=tuple(req.messages) if chat else None, response=response,
+                transcript_key=transcript_key(tuple(req.messages), response, req.tools) if chat else None,
+                sampling={"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
+                          "reused_prompt_tokens": prompt.reused}))
+
+    # export -----------------------------------------------------------------------------------------------
+    def enqueue(self, trajectories: list[data_pb2.Trajectory]):
+        return self.outbox.put(trajectories)
+
+
+def _lists(s: Sampled) -> tuple[list[int], list[float], list[int]]:
+    """ids / log-probs / versions; a sequence a stop string ended early is still running, so align its lists."""
+    seq = s.result() if s.done else s.running
+    n = len(seq.output_ids)
+    while len(seq.logprobs) < n or len(seq.versions) < n:
+        time.sleep(0)  # the engine thread is between its appends of one token
+    return list(seq.output_ids[:n]), list(seq.logprobs[:n]), list(seq.versions[:n])
+
+
+def _finish_reason(s: Sampled) -> str:
+    if not s.done:
+        return ""  # still running: ended early by a stop string
+    reason = s.result().finish_reason
+    if reason == "abort":
+        raise ApiError(503, "the engine stopped before the generation finished")
+    return reason

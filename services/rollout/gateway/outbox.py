@@ -1,0 +1,75 @@
+"""Exported trajectories waiting to be published; publishing retries until it succeeds (ids make it idempotent)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+
+from services.common.contracts import data_pb2
+from services.common.logging import get_logger
+
+Publish = Callable[[data_pb2.Trajectory], Awaitable[None]]
+
+
+class Outbox:
+    def __init__(self, publish: Publish, *, retry_s: float = 0.5, max_retry_s: float = 10.0) -> None:
+        self._publish = publish
+        self._retry_s = retry_s
+        self._max_retry_s = max_retry_s
+        self._queue: asyncio.Queue[tuple[data_pb2.Trajectory, asyncio.Future]] = asyncio.Queue()
+        self._task: asyncio.Task | None = None
+        self.published = 0
+        self.failures = 0
+
+    @property
+    def pending(self) -> int:
+        return self._queue.qsize()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="gateway-outbox")
+
+    def put(self, trajectories: list[data_pb2.Trajectory]) -> list[asyncio.Future]:
+        futures = []
+        for traj in trajectories:
+            fut = asyncio.get_running_loop().create_future()
+            self._queue.put_nowait((traj, fut))
+            futures.append(fut)
+        return futures
+
+    async def flush(self, timeout: float) -> bool:
+        """Wait until everything queued so far is published (or the timeout passes)."""
+        if self._task is None:
+            return self._queue.empty()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._queue.join(), timeout)
+        return self._queue.empty()
+
+    async def close(self, timeout: float) -> None:
+        await self.flush(timeout)
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self.pending:
+            get_logger().error("gateway_outbox_unpublished", pending=self.pending)
+
+    async def _run(self) -> None:
+        while True:
+            traj, fut = await self._queue.get()
+            delay = self._retry_s
+            while True:
+                try:
+                    await self._publish(traj)
+                    break
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # the bus is down or slow: keep the trajectory and retry
+                    self.failures += 1
+                    get_logger().warning("gateway_publish_failed", trajectory_id=traj.trajectory_id, error=str(exc))
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, self._max_retry_s)
+            self.published += 1
+            if not fut.done():
+                fut.set_result(True)
+            self._queue.task_done()

@@ -1,0 +1,93 @@
+"""Model routes (OpenAI and Anthropic dialects): authenticate, parse, run, render. No logic of their own."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from services.rollout.gateway import anthropic_api, openai_render, responses_api
+from services.rollout.gateway.core import Gateway
+from services.rollout.gateway.errors import ApiError
+from services.rollout.gateway.http import SSE_HEADERS, api_key, json_response, read_json, replay_key
+from services.rollout.gateway.openai_parse import parse_chat, parse_completions
+from services.rollout.gateway.tokens import chat_prompt
+
+
+def add_model_routes(app: FastAPI, gw: Gateway) -> None:
+    cfg = gw.config
+    started = int(time.time())
+
+    async def chat_completions(request: Request) -> Response:
+        caller = gw.caller(api_key(request))
+        body, raw = await read_json(request, cfg.max_body_bytes)
+        req = parse_chat(body, max_n=cfg.max_n, strict=cfg.reject_unknown_params)
+        run = await gw.run(req, caller, replay_key(request, raw))
+        if req.stream:
+            return StreamingResponse(openai_render.chat_stream(run, req.n, req.model, gw.backend.version, gw.fmt,
+                                                               logprobs=req.logprobs, include_usage=req.include_usage),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        return json_response(openai_render.chat_response(await run.finish(), gw.fmt, logprobs=req.logprobs))
+
+    async def completions(request: Request) -> Response:
+        caller = gw.caller(api_key(request))
+        body, raw = await read_json(request, cfg.max_body_bytes)
+        req = parse_completions(body, max_n=cfg.max_n, strict=cfg.reject_unknown_params)
+        run = await gw.run(req, caller, replay_key(request, raw))
+        if req.stream:
+            return StreamingResponse(openai_render.completions_stream(run, req.model, gw.fmt, logprobs=req.logprobs,
+                                                                      include_usage=req.include_usage),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        return json_response(openai_render.completions_response(await run.finish(), gw.fmt, logprobs=req.logprobs))
+
+    async def responses(request: Request) -> Response:
+        caller = gw.caller(api_key(request))
+        body, raw = await read_json(request, cfg.max_body_bytes)
+        req = responses_api.parse_responses(body, strict=cfg.reject_unknown_params)
+        run = await gw.run(req, caller, replay_key(request, raw))
+        if req.stream:
+            return StreamingResponse(responses_api.response_stream(req, run, req.model), media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
+        c = await run.finish()
+        return json_response(responses_api.response_object(req, c.id, c.created, req.model, c))
+
+    async def messages(request: Request) -> Response:
+        caller = gw.caller(api_key(request))
+        body, raw = await read_json(request, cfg.max_body_bytes)
+        req = anthropic_api.parse_messages(body, strict=cfg.reject_unknown_params)
+        run = await gw.run(req, caller, replay_key(request, raw))
+        if req.stream:
+            return StreamingResponse(anthropic_api.message_stream(run, req.model), media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
+        return json_response(anthropic_api.message_response(await run.finish()))
+
+    async def count_tokens(request: Request) -> Response:
+        caller = gw.caller(api_key(request))
+        body, _ = await read_json(request, cfg.max_body_bytes)
+        req = anthropic_api.parse_messages({"max_tokens": 1, **body}, strict=cfg.reject_unknown_params)
+        prompt = chat_prompt(gw.fmt, req.messages, req.tools, caller.session)
+        return json_response({"input_tokens": len(prompt.ids)})
+
+    def model_card() -> dict:
+        return {"id": cfg.model_name, "object": "model", "created": started, "owned_by": "meshrl"}
+
+    async def list_models(request: Request) -> Response:
+        gw.caller(api_key(request))
+        return json_response({"object": "list", "data": [model_card()]})
+
+    async def get_model(request: Request) -> Response:
+        gw.caller(api_key(request))
+        if request.path_params["model"] != cfg.model_name:
+            raise ApiError(404, f"model {request.path_params['model']!r} not found; this gateway serves {cfg.model_name!r}")
+        return json_response(model_card())
+
+    for prefix in ("/v1", ""):
+        app.add_api_route(f"{prefix}/chat/completions", chat_completions, methods=["POST"])
+        app.add_api_route(f"{prefix}/completions", completions, methods=["POST"])
+        app.add_api_route(f"{prefix}/responses", responses, methods=["POST"])
+        app.add_api_route(f"{prefix}/messages", messages, methods=["POST"])
+        app.add_api_route(f"{prefix}/messages/count_tokens", count_tokens, methods=["POST"])
+        app.add_api_route(f"{prefix}/models", list_models, methods=["GET"])
+        app.add_api_route(f"{prefix}/models/{{model:path}}", get_model, methods=["GET"])

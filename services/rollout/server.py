@@ -1,0 +1,129 @@
+"""The rollout service's edges: pulls prompt work from JetStream, publishes trajectories, serves gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+
+import prometheus_client
+
+from services.common.bus import SUBJECT_PROMPTS, SUBJECT_TRAJ_RAW, Bus, consume, decoder
+from services.common.contracts import common_pb2, data_pb2, rollout_pb2, rollout_pb2_grpc
+from services.common.logging import get_logger
+from services.common.rpc import Servicer, bound_address, call_until_ok, invalid_argument, start_server
+from services.common.service import supervise
+from services.rollout.config import RolloutConfig
+from services.rollout.engines.torch_engine import EmbeddedEngine
+from services.rollout.workflows.single_turn import sampling_from_proto, to_trajectories, validate_work
+
+TRAJECTORIES = prometheus_client.Counter("meshrl_rollout_trajectories_total", "Trajectories published")
+TOKENS = prometheus_client.Gauge("meshrl_rollout_tokens_generated", "Tokens generated")
+VERSION = prometheus_client.Gauge("meshrl_rollout_policy_version", "Policy version served")
+
+
+class Rollout:
+    """State shared by the consumer loop and the gRPC handlers."""
+
+    def __init__(self, config: RolloutConfig, engine: EmbeddedEngine, bus: Bus) -> None:
+        self.config = config
+        self.engine = engine
+        self.bus = bus
+        self.pull_gate = asyncio.Event()
+        self.pull_gate.set()
+        self.published = 0
+        self.log = get_logger().bind(rank_id=config.rank_id)
+
+    async def handle_work(self, work: data_pb2.PromptWork) -> None:
+        validate_work(work)
+        sampling = sampling_from_proto(work.sampling)
+        seqs = await self.engine.generate(list(work.prompt_ids), sampling, n=work.group_size)
+        if any(s.finish_reason == "abort" for s in seqs):
+            raise RuntimeError(f"work {work.work_id} aborted by shutdown")
+        for traj in to_trajectories(work, seqs):
+            await self.bus.publish(SUBJECT_TRAJ_RAW, traj, traj.trajectory_id)
+            self.published += 1
+            TRAJECTORIES.inc()
+        TOKENS.set(self.engine.stats.tokens_generated)
+        VERSION.set(self.engine.version)
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
+    def __init__(self, rollout: Rollout) -> None:
+        self.r = rollout
+        self._paused_by_rpc = False
+
+    async def Generate(self, request, context):
+        if not request.prompt_ids:
+            await invalid_argument(context, "prompt_ids", "empty")
+        try:
+            sampling = sampling_from_proto(request.sampling)
+        except ValueError as exc:
+            await invalid_argument(context, "sampling", str(exc))
+        if request.n < 0:
+            await invalid_argument(context, "n", f"must be >= 1, got {request.n}")
+        try:
+            seqs = await self.r.engine.generate(list(request.prompt_ids), sampling, n=request.n or 1)
+        except ValueError as exc:
+            await invalid_argument(context, "prompt_ids", str(exc))
+        return rollout_pb2.GenerateReply(completions=[
+            rollout_pb2.Completion(token_ids=s.output_ids, logprobs=s.logprobs, versions=s.versions,
+                                   finish_reason=s.finish_reason) for s in seqs])
+
+    async def Pause(self, request, context):
+        if not self._paused_by_rpc:
+            self.r.pull_gate.clear()
+            await self.r.engine.pause_async()
+            self._paused_by_rpc = True
+        return common_pb2.Ack(ok=True, message="paused")
+
+    async def Resume(self, request, context):
+        if self._paused_by_rpc:
+            self.r.engine.resume()
+            self.r.pull_gate.set()
+            self._paused_by_rpc = False
+        return common_pb2.Ack(ok=True, message="resumed")
+
+    async def Status(self, request, context):
+        e = self.r.engine
+        return rollout_pb2.RolloutStatus(
+            policy_version=e.version, paused=self._paused_by_rpc or e.paused, running_sequences=len(e.scheduler.running),
+            waiting_sequences=len(e.scheduler.waiting), trajectories_published=self.r.published,
+            tokens_generated=e.stats.tokens_generated, weight_updates=e.stats.weight_updates,
+            interrupted_sequences=e.stats.interrupted_sequences, engine="embedded")
+
+
+async def serve(config: RolloutConfig, stop: asyncio.Event) -> None:
+    engine = config.engine.build()
+    engine.start()
+    bus = await Bus.connect(config.nats_url, name=config.rank_id)
+    rollout = Rollout(config, engine, bus)
+    servicers = [Servicer(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, RolloutServicer(rollout),
+                          rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name)]
+    receiver = _weight_receiver(config, engine)
+    if receiver is not None:
+        servicers.append(receiver.servicer())
+    rpc = await start_server(config.grpc_address, servicers, auth_token=config.auth_token)
+    address = bound_address(config.grpc_address, rpc.port)
+    rollout.log.info("serving", grpc=address, subject=SUBJECT_PROMPTS, version=engine.version)
+    tasks = [asyncio.create_task(consume(bus, "rollout", decoder(data_pb2.PromptWork), rollout.handle_work, stop,
+                                         concurrency=config.concurrency, gate=rollout.pull_gate))]
+    if receiver is not None:
+        tasks.append(asyncio.create_task(call_until_ok(lambda: receiver.register(agent_address=address), stop,
+                                                       what="weight_exchange")))
+    supervise(tasks, stop)
+    await stop.wait()
+    rollout.log.info("stopping", running=len(engine.scheduler.running))
+    rollout.pull_gate.set()
+    await asyncio.wait(tasks, timeout=30)
+    engine.stop()  # aborts what is left; those handlers nak their work
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await rpc.stop()
+    await bus.close()
+
+
+def _weight_receiver(config: RolloutConfig, engine: EmbeddedEngine):
+    if not config.wx_address:
+        return None
+    from services.weight_exchange.client import ReceiverAgent
+
+    return ReceiverAgent(rank_id=config.rank_id, params=engine.named_parameters(), wx_address=config.wx_address,
+                         token=config.auth_token, on_pause=engine.pause_async, on_resume=engine.resume_async)

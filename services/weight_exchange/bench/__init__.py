@@ -1,0 +1,1 @@
+"""Weight-exchange benchmark: real ranks as processes (`runner`), paper-scale plans without memory (`simulate`)."""

@@ -1,0 +1,98 @@
+"""A real gateway on loopback: uvicorn in its own thread and event loop, a real EmbeddedEngine behind it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import httpx
+
+from launcher.processes import free_port
+from services.common.contracts import data_pb2
+from services.rollout.gateway import GatewayConfig, create_app, serve_gateway
+
+ADMIN = "test-admin-key"
+
+
+class GatewayServer:
+    def __init__(self, engine: Any, tokenizer: Any, *, capacity: bool | None = None, **config: Any) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.published: list[data_pb2.Trajectory] = []
+        self.has_capacity = True
+        self.publish_fails = 0               # the next N publishes raise (a bus outage)
+        self.config = GatewayConfig(port=free_port(), admin_key=ADMIN, **config)
+        self.app = create_app(self.config, engine, tokenizer, self._publish,
+                              self._capacity if capacity is not None else None)
+        self.gateway = self.app.state.gateway
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._serve, name="gateway-test-server", daemon=True)
+        self._started = threading.Event()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.config.port}"
+
+    async def _publish(self, traj: data_pb2.Trajectory) -> None:
+        if self.publish_fails > 0:
+            self.publish_fails -= 1
+            raise ConnectionError("bus unavailable")
+        self.published.append(traj)
+
+    async def _capacity(self) -> bool:
+        return self.has_capacity
+
+    def _serve(self) -> None:
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            self._started.set()
+            await serve_gateway(self.app, self.config, self._stop)
+
+        asyncio.run(main())
+
+    def start(self) -> GatewayServer:
+        self.engine.start()
+        self._thread.start()
+        self._started.wait(10)
+        for _ in range(500):
+            try:
+                httpx.get(self.url + "/health", timeout=1).raise_for_status()
+                return self
+            except httpx.HTTPError:
+                threading.Event().wait(0.02)
+        raise RuntimeError("gateway did not start")
+
+    def stop(self) -> None:
+        if self._loop and self._stop:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+        self.engine.stop()
+
+    def call(self, fn, *args):
+        """Run a plain function on the gateway's loop thread and return its result (to read gateway state safely)."""
+        done = threading.Event()
+        box: list = []
+        self._loop.call_soon_threadsafe(lambda: (box.append(fn(*args)), done.set()))
+        done.wait(10)
+        return box[0]
+
+    # admin helpers -----------------------------------------------------------------------------------------
+    def admin(self, method: str, path: str, headers: dict | None = None, **kwargs) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {ADMIN}", **(headers or {})}
+        return httpx.request(method, self.url + path, headers=headers, timeout=60, **kwargs)
+
+    def start_session(self, task_id: str = "task-1", **body: Any) -> dict:
+        r = self.admin("POST", "/rl/start_session", json={"task_id": task_id, **body})
+        assert r.status_code == 201, r.text
+        return r.json()
+
+    def session_post(self, key: str, path: str, body: dict | None = None) -> httpx.Response:
+        return httpx.post(self.url + path, json=body or {}, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+    def session_info(self, session_id: str) -> dict:
+        r = self.admin("GET", f"/rl/sessions/{session_id}")
+        assert r.status_code == 200, r.text
+        return r.json()

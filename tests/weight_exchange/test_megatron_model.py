@@ -1,0 +1,63 @@
+"""Megatron layouts against a real megatron-core GPTModel built on CPU (gloo, use_cpu_initialization).
+
+Every parameter name and shape of every rank must be what `megatron_shards` declares, and the rank
+coordinates (tp, pp, ep, etp, dp) must be what the topology assigns to that global rank.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from launcher.processes import free_port
+from services.weight_exchange.client.layouts.model import model_spec
+from services.weight_exchange.client.layouts.topology import megatron_parallel, parse_side, rank_shards
+from tests.weight_exchange.harness import ROOT
+
+pytest.importorskip("megatron.core")
+
+PADDING_ONLY = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def build(tmp_path, model: str, side_text: str) -> None:
+    side = parse_side(side_text)
+    port = free_port()
+    args = [f"--{k}={side.get(k)}" for k in ("tp", "pp", "ep")]
+    args.append(f"--etp={side.sizes.get('etp', side.get('tp'))}")
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.weight_exchange.megatron_proc", f"--rank={r}",
+                               f"--world={side.world}", f"--port={port}", f"--model={model}", f"--out={tmp_path}",
+                               *args], cwd=ROOT, stderr=subprocess.PIPE, text=True) for r in range(side.world)]
+    for p in procs:
+        _, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-3000:]
+    spec = model_spec(model)
+    for r in range(side.world):
+        real = json.loads((tmp_path / f"rank{r}.json").read_text())
+        par = megatron_parallel(side, r)
+        coords = {"tp_rank": par.tp_rank, "pp_rank": par.pp_rank, "ep_rank": par.ep_rank,
+                  "etp_rank": par.etp_rank, "dp_rank": par.dp_rank}
+        assert {k: real["parallel"][k] for k in coords} == coords, (r, real["parallel"])
+        shards, _ = rank_shards(spec, side, r)
+        declared = {s.local_name: list(s.local_shape) for s in shards}
+        actual = real["params"]
+        assert {k: actual.get(k) for k in declared} == declared, r
+        assert [k for k in actual if k not in declared and k not in PADDING_ONLY] == [], r
+
+
+@pytest.mark.parametrize("model,side", [("tiny-qwen3", "megatron:tp=2"), ("tiny-qwen3-moe", "megatron:dp=2,ep=2")])
+def test_megatron_names_and_shapes(tmp_path, model, side):
+    build(tmp_path, model, side)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,side", [
+    ("tiny-qwen3", "megatron:pp=2"),
+    ("tiny-qwen3", "megatron:tp=4"),                         # TP 4 > 2 query groups
+    ("tiny-qwen2", "megatron:tp=2"),                         # qkv bias
+    ("tiny-qwen3-moe", "megatron:tp=2,pp=2,ep=2,etp=1"),
+])
+def test_megatron_names_and_shapes_more(tmp_path, model, side):
+    build(tmp_path, model, side)

@@ -1,8 +1,8 @@
 """`make bench-weights`: the weight-exchange benchmark, one JSON line per case.
 
 Measured here (every rank a process, the service in this process): a ~1.2 GB bf16 dense model with
-Qwen3-0.6B shapes, Megatron TP2 -> vLLM-layout TP2 (four processes), over shm (cross-memory attach), shm
-with its /dev/shm ring (cross-memory attach off), tcp, gloo and ucx (when ucxx is installed), each beside
+Qwen3-0.6B shapes, Megatron TP2 -> vLLM-layout TP2 (four processes), over shm (cross-memory attach), shm-ring
+(the /dev/shm ring, no cross-memory attach), tcp, gloo and ucx (when ucxx is installed), each beside
 the naive gather-then-send-everything plan over the same transport. Then the paper-scale simulation
 (shapes only) for Qwen3-30B-A3B and Qwen3-235B-A22B.
 
@@ -23,13 +23,11 @@ from services.weight_exchange.bench.simulate import SCENARIOS, simulate
 
 def cases(quick: bool) -> list[tuple[Case, dict[str, str]]]:
     model = "tiny-qwen3" if quick else "qwen3-0.6b"
-    transports = ("shm", "tcp", "gloo") + (("ucx",) if importlib.util.find_spec("ucxx") else ())
+    transports = ("shm", "shm-ring", "tcp", "gloo") + (("ucx",) if importlib.util.find_spec("ucxx") else ())
     repeat = 1 if quick else 3
-    return [
-        (Case("dense-1gb-megatron-tp2-to-vllm-tp2", model, "megatron:tp=2", "vllm:tp=2", transports, repeat=repeat), {}),
-        (Case("dense-1gb-megatron-tp2-to-vllm-tp2-shm-ring", model, "megatron:tp=2", "vllm:tp=2", ("shm",),
-              repeat=repeat), {"MESHRL_WX_SHM_CMA": "0"}),
-    ]
+    name = "quick-tiny" if quick else "dense-1gb"
+    return [(Case(f"{name}-megatron-tp2-to-vllm-tp2", model, "megatron:tp=2", "vllm:tp=2", transports,
+                  repeat=repeat), {})]
 
 
 async def measure(quick: bool) -> None:

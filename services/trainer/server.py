@@ -39,7 +39,7 @@ class Trainer:
         self.model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=torch.float32)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         self.algo = AlgorithmConfig.from_preset(config.algo, **config.algo_overrides).build()
-        self.optimizer = config.optim.build(self.model)
+        self.optimizer, self.schedule = config.optim.build(self.model, total_steps=config.total_steps)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.version = 0
         self.trajectories_trained = 0
@@ -67,7 +67,7 @@ class Trainer:
         started = now()
         metrics = await asyncio.to_thread(
             train_step, self.model, self.optimizer, self.algo, packed, version=self.version, optim=self.config.optim,
-            temperature=self.config.temperature, generator=self.generator)
+            temperature=self.config.temperature, generator=self.generator, schedule=self.schedule)
         self.version += 1
         self.trajectories_trained += len(batch.trajectories)
         self.max_staleness = max(self.max_staleness, *staleness)

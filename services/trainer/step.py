@@ -18,16 +18,34 @@ class OptimConfig:
     grad_clip: float = 1.0
     minibatches: int = 1   # optimizer updates per training batch
     epochs: int = 1        # passes over the batch
+    warmup_updates: int = 0  # linear learning-rate warm-up over this many optimizer updates
+    schedule: str = "constant"  # "constant" or "linear" (decay to min_lr_ratio * lr at the last update)
+    min_lr_ratio: float = 0.1
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
             raise ValueError(f"optim.lr: must be > 0, got {self.lr}")
         if self.minibatches < 1 or self.epochs < 1:
             raise ValueError("optim.minibatches / optim.epochs: must be >= 1")
+        if self.schedule not in ("constant", "linear"):
+            raise ValueError(f"optim.schedule: must be 'constant' or 'linear', got {self.schedule!r}")
 
-    def build(self, model: torch.nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(model.parameters(), lr=self.lr, weight_decay=self.weight_decay,
-                                 betas=tuple(self.betas))
+    def build(self, model: torch.nn.Module, *, total_steps: int = 0
+              ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr, weight_decay=self.weight_decay,
+                                      betas=tuple(self.betas))
+        total = total_steps * self.minibatches * self.epochs
+        if self.schedule == "linear" and not total:
+            raise ValueError("optim.schedule: 'linear' needs total_steps > 0")
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: self.lr_factor(n, total))
+
+    def lr_factor(self, update: int, total_updates: int) -> float:
+        warm = min(1.0, (update + 1) / (self.warmup_updates + 1))
+        if self.schedule == "constant" or update < self.warmup_updates:
+            return warm
+        span = max(1, total_updates - self.warmup_updates)
+        done = min(1.0, (update - self.warmup_updates) / span)
+        return 1.0 - (1.0 - self.min_lr_ratio) * done
 
 
 def sequence_logits(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
@@ -40,7 +58,8 @@ def policy_logp(model: torch.nn.Module, batch: PackedBatch, temperature: float) 
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, algo: Algorithm, batch: PackedBatch, *,
-               version: int, optim: OptimConfig, temperature: float, generator: torch.Generator) -> dict[str, float]:
+               version: int, optim: OptimConfig, temperature: float, generator: torch.Generator,
+               schedule: torch.optim.lr_scheduler.LRScheduler | None = None) -> dict[str, float]:
     """Decoupled-PPO style update: recompute proximal log-probs, advantages, then minibatch updates."""
     model.train()
     prox = None
@@ -73,7 +92,10 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, algo: A
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
             optimizer.step()
+            if schedule is not None:
+                schedule.step()
             stats["grad_norm"] = float(grad_norm)
+            stats["lr"] = optimizer.param_groups[0]["lr"]
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + value
             updates += 1

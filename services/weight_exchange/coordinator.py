@@ -151,7 +151,7 @@ class Coordinator:
             p = self.current_plan()
         except PlanError as exc:
             raise SyncError("FAILED_PRECONDITION", f"plan: {exc}") from exc
-        if name == "shm":
+        if name in ("shm", "shm-ring"):
             self._check_same_host(p)
         endpoints = {s.rank_id: s.endpoints[name] for s in self.senders}
         calls = []

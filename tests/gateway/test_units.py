@@ -12,7 +12,7 @@ from services.rollout.gateway.export import export_session, paths
 from services.rollout.gateway.messages import Message, Tool, ToolCall
 from services.rollout.gateway.openai_parse import parse_chat
 from services.rollout.gateway.outputs import ChoiceDecoder
-from services.rollout.gateway.session import InvalidTransition, Interaction, Session, SessionState, discounted_returns
+from services.rollout.gateway.session import Interaction, InvalidTransition, Session, SessionState, discounted_returns
 from services.rollout.gateway.tokens import chat_prompt
 from services.rollout.gateway.toolcalls import TextEvent, ToolCallEvent, ToolCallParser, Trim
 from tests.gateway.policies import tokenizer

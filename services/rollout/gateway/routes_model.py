@@ -84,10 +84,10 @@ def add_model_routes(app: FastAPI, gw: Gateway) -> None:
         return json_response(model_card())
 
     for prefix in ("/v1", ""):
-        app.add_api_route(f"{prefix}/chat/completions", chat_completions, methods=["POST"])
-        app.add_api_route(f"{prefix}/completions", completions, methods=["POST"])
-        app.add_api_route(f"{prefix}/responses", responses, methods=["POST"])
-        app.add_api_route(f"{prefix}/messages", messages, methods=["POST"])
-        app.add_api_route(f"{prefix}/messages/count_tokens", count_tokens, methods=["POST"])
-        app.add_api_route(f"{prefix}/models", list_models, methods=["GET"])
-        app.add_api_route(f"{prefix}/models/{{model:path}}", get_model, methods=["GET"])
+        app.add_route(f"{prefix}/chat/completions", chat_completions, methods=["POST"])
+        app.add_route(f"{prefix}/completions", completions, methods=["POST"])
+        app.add_route(f"{prefix}/responses", responses, methods=["POST"])
+        app.add_route(f"{prefix}/messages", messages, methods=["POST"])
+        app.add_route(f"{prefix}/messages/count_tokens", count_tokens, methods=["POST"])
+        app.add_route(f"{prefix}/models", list_models, methods=["GET"])
+        app.add_route(f"{prefix}/models/{{model:path}}", get_model, methods=["GET"])

@@ -96,10 +96,10 @@ def add_rl_routes(app: FastAPI, gw: Gateway) -> None:
     async def health(request: Request) -> Response:
         return json_response({"status": "ok", "paused": bool(gw.backend.engine.paused), "version": gw.backend.version})
 
-    app.add_api_route("/rl/start_session", start_session, methods=["POST"])
-    app.add_api_route("/rl/set_reward", set_reward, methods=["POST"])
-    app.add_api_route("/rl/end_session", end_session, methods=["POST"])
-    app.add_api_route("/rl/status", status, methods=["GET"])
-    app.add_api_route("/rl/sessions/{session_id}", session_info, methods=["GET"])
-    app.add_api_route("/health", health, methods=["GET"])
-    app.add_api_route("/healthz", health, methods=["GET"])
+    app.add_route("/rl/start_session", start_session, methods=["POST"])
+    app.add_route("/rl/set_reward", set_reward, methods=["POST"])
+    app.add_route("/rl/end_session", end_session, methods=["POST"])
+    app.add_route("/rl/status", status, methods=["GET"])
+    app.add_route("/rl/sessions/{session_id}", session_info, methods=["GET"])
+    app.add_route("/health", health, methods=["GET"])
+    app.add_route("/healthz", health, methods=["GET"])

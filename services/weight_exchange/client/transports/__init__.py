@@ -11,6 +11,7 @@ from services.weight_exchange.client.transports.base import Link, Transport
 KNOWN = {
     "tcp": "services.weight_exchange.client.transports.tcp:TcpTransport",
     "shm": "services.weight_exchange.client.transports.shm:ShmTransport",
+    "shm-ring": "services.weight_exchange.client.transports.shm:ShmRingTransport",
     "gloo": "services.weight_exchange.client.transports.torchdist:GlooTransport",
     "nccl": "services.weight_exchange.client.transports.torchdist:NcclTransport",
     "hccl": "services.weight_exchange.client.transports.torchdist:HcclTransport",

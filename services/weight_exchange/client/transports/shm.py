@@ -146,3 +146,13 @@ class ShmTransport:
             del ring
         finally:
             mm.close()
+
+
+class ShmRingTransport(ShmTransport):
+    """The /dev/shm ring only (no cross-memory attach), e.g. where ptrace-based reads are not allowed."""
+
+    name = "shm-ring"
+
+    @staticmethod
+    def request_options() -> dict[str, Any]:
+        return {"cma": False}

@@ -1,0 +1,228 @@
+"""`make bench-gateway`: the agent gateway's cost, one JSON line per case.
+
+Set up as the rollout service runs it: one process holds a tiny Qwen3 (built here, no downloads) in an
+EmbeddedEngine and serves the gateway with uvicorn on its event loop; the agent is another process (httpx,
+keep-alive) on loopback. Measured side by side in one run:
+
+- added latency: the same prompt and sampling (greedy, fixed length) through `engine.generate` called on the
+  service's loop, and through `POST /v1/chat/completions` with a session key from the agent process; p50 / p99
+  of each and their difference. Cases: a first turn, the same streamed, and a 6th turn (history reused).
+- sustained requests/s with 64 concurrent sessions (each a multi-turn conversation, one agent process),
+  beside the same generations sent to the engine directly.
+
+    python -m bench.gateway [--requests 200] [--sessions 64] [--turns 4] [--max-new 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+
+import httpx
+
+# the service side's imports (torch, transformers, the gateway) are inside its functions: the agent process
+# stays light, like a real agent
+
+ADMIN = "bench-admin-key"
+QUESTION = "What is 12 + 30? Answer briefly."
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def line(**fields) -> None:
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in fields.items()}), flush=True)
+
+
+def history(turns: int) -> list[dict]:
+    messages = [{"role": "user", "content": QUESTION}]
+    for i in range(turns - 1):
+        messages += [{"role": "assistant", "content": f"Step {i}: 42."}, {"role": "user", "content": "And then?"}]
+    return messages
+
+
+# the agent process ----------------------------------------------------------------------------------------------
+async def agent_latency(url: str, body: dict, n: int, warmup: int) -> list[float]:
+    async with httpx.AsyncClient(timeout=120) as client:
+        r = await client.post(url + "/rl/start_session", json={"task_id": "bench"}, headers={"Authorization": f"Bearer {ADMIN}"})
+        headers = {"Authorization": f"Bearer {r.json()['api_key']}"}
+        out = []
+        for i in range(n + warmup):
+            t0 = time.perf_counter()
+            if body.get("stream"):
+                async with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
+                    async for _ in r.aiter_bytes():
+                        pass
+            else:
+                (await client.post(url + "/v1/chat/completions", json=body, headers=headers)).raise_for_status()
+            if i >= warmup:
+                out.append((time.perf_counter() - t0) * 1e3)
+        return out
+
+
+async def agent_throughput(url: str, sessions: int, turns: int, max_new: int) -> dict:
+    limits = httpx.Limits(max_connections=sessions + 4, max_keepalive_connections=sessions + 4)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        group = (await client.post(url + "/rl/start_session", json={"task_id": "bench", "group_size": sessions},
+                                   headers=admin)).json()
+
+        async def agent(key: str, seed: int) -> None:
+            headers = {"Authorization": f"Bearer {key}"}
+            messages = [{"role": "user", "content": f"Task {seed}: add the numbers."}]
+            for turn in range(turns):
+                body = {"model": "m", "messages": messages, "max_tokens": max_new, "temperature": 1.0}
+                r = await client.post(url + "/v1/chat/completions", json=body, headers=headers)
+                r.raise_for_status()
+                messages += [r.json()["choices"][0]["message"], {"role": "user", "content": f"next {turn}"}]
+            await client.post(url + "/rl/set_reward", json={"reward": 1.0}, headers=headers)
+            await client.post(url + "/rl/end_session", headers=headers)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(agent(s["api_key"], i) for i, s in enumerate(group["sessions"])))
+        return {"wall_s": time.perf_counter() - t0, "requests": sessions * turns}
+
+
+async def agent_loop() -> None:
+    """Persistent agent process: one JSON command per stdin line, one JSON result per stdout line."""
+    loop = asyncio.get_running_loop()
+    while line_ := await loop.run_in_executor(None, sys.stdin.readline):
+        spec = json.loads(line_)
+        if spec["kind"] == "latency":
+            result = await agent_latency(spec["url"], spec["body"], spec["n"], spec["warmup"])
+        else:
+            result = await agent_throughput(spec["url"], spec["sessions"], spec["turns"], spec["max_new"])
+        print(json.dumps(result), flush=True)
+
+
+class Agent:
+    def __init__(self) -> None:
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        self.proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "bench.gateway", "--agent",
+                                                         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+
+    async def run(self, spec: dict) -> object:
+        self.proc.stdin.write((json.dumps(spec) + "\n").encode())
+        await self.proc.stdin.drain()
+        out = await self.proc.stdout.readline()
+        if not out:
+            raise RuntimeError("the agent process exited")
+        return json.loads(out)
+
+    async def close(self) -> None:
+        self.proc.stdin.close()
+        await self.proc.wait()
+
+
+# the service process ----------------------------------------------------------------------------------------
+async def direct_latency(engine, prompt: list[int], sampling, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await engine.generate(prompt, sampling)
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+async def latency_case(name: str, agent: Agent, url: str, engine, fmt, messages: list[dict], stream: bool, args) -> None:
+    """Blocks of direct calls and gateway calls, alternating, so drift hits both alike."""
+    from services.rollout.engines.sequence import Sampling
+    from services.rollout.gateway.messages import Message
+
+    prompt = fmt.encode(fmt.render([Message(m["role"], m["content"]) for m in messages], []))
+    sampling = Sampling(temperature=0.0, max_new_tokens=args.max_new, stop_token_ids=tuple(sorted(fmt.stop_token_ids)))
+    body = {"model": "m", "messages": messages, "max_tokens": args.max_new, "temperature": 0.0, "stream": stream}
+    direct, gateway, block = [], [], 20
+    await direct_latency(engine, prompt, sampling, 5)
+    await agent.run({"kind": "latency", "url": url, "body": body, "n": 0, "warmup": 5})
+    for start in range(0, args.requests, block):
+        n = min(block, args.requests - start)
+        direct += await direct_latency(engine, prompt, sampling, n)
+        gateway += await agent.run({"kind": "latency", "url": url, "body": body, "n": n, "warmup": 0})
+    line(case=name, requests=args.requests, prompt_tokens=len(prompt), max_new_tokens=args.max_new,
+         direct_p50_ms=pct(direct, 0.5), direct_p99_ms=pct(direct, 0.99), gateway_p50_ms=pct(gateway, 0.5),
+         gateway_p99_ms=pct(gateway, 0.99), added_p50_ms=pct(gateway, 0.5) - pct(direct, 0.5),
+         added_p99_ms=pct(gateway, 0.99) - pct(direct, 0.99), target_added_p50_ms=2.0)
+
+
+async def throughput_case(agent: Agent, url: str, engine, fmt, args, published: list) -> None:
+    from services.rollout.engines.sequence import Sampling
+    from services.rollout.gateway.messages import Message
+
+    before = len(published)
+    result = await agent.run({"kind": "throughput", "url": url, "sessions": args.sessions, "turns": args.turns,
+                              "max_new": args.max_new})
+    prompts = [fmt.encode(fmt.render([Message("user", f"Task {i}: add the numbers.")], [])) for i in range(args.sessions)]
+    sampling = Sampling(temperature=1.0, max_new_tokens=args.max_new, stop_token_ids=tuple(sorted(fmt.stop_token_ids)))
+    t0 = time.perf_counter()
+    for _ in range(args.turns):
+        await asyncio.gather(*(engine.generate(p, sampling) for p in prompts))
+    direct_wall = time.perf_counter() - t0
+    rps, direct_rps = result["requests"] / result["wall_s"], args.sessions * args.turns / direct_wall
+    line(case=f"throughput_{args.sessions}_sessions", sessions=args.sessions, turns=args.turns, requests=result["requests"],
+         max_new_tokens=args.max_new, wall_s=result["wall_s"], requests_per_s=rps, direct_engine_requests_per_s=direct_rps,
+         gateway_over_direct=rps / direct_rps, trajectories_published=len(published) - before)
+
+
+async def main(args: argparse.Namespace) -> None:
+    import torch
+
+    from launcher.processes import free_port
+    from services.rollout.engines.torch_engine import EmbeddedEngine
+    from services.rollout.gateway import GatewayConfig, create_app, serve_gateway
+    from services.trainer.models.tiny_qwen3 import TinyQwen3Config, build_tokenizer, padded_vocab_size
+
+    torch.set_num_threads(1)
+    import os
+    if os.environ.get("SWITCH"):
+        sys.setswitchinterval(float(os.environ["SWITCH"]))
+    torch.manual_seed(0)
+    tok = build_tokenizer()
+    model = TinyQwen3Config(max_position_embeddings=4096).build(padded_vocab_size(tok), eos_token_id=tok.eos_token_id)
+    engine = EmbeddedEngine(model.eval(), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, max_batch=64,
+                            max_context=2048, seed=0)
+    engine.start()
+    published: list = []
+
+    async def publish(traj) -> None:
+        published.append(traj.trajectory_id)
+
+    config = GatewayConfig(port=free_port(), admin_key=ADMIN, max_sessions=100_000)
+    app = create_app(config, engine, tok, publish)
+    stop = asyncio.Event()
+    server = asyncio.create_task(serve_gateway(app, config, stop))
+    url = f"http://127.0.0.1:{config.port}"
+    fmt = app.state.gateway.fmt
+    agent = Agent()
+    await agent.start()
+    try:
+        while getattr(app.state, "port", None) is None:
+            await asyncio.sleep(0.01)
+        await latency_case("added_latency_chat", agent, url, engine, fmt, history(1), False, args)
+        await latency_case("added_latency_chat_stream", agent, url, engine, fmt, history(1), True, args)
+        await latency_case("added_latency_chat_turn6", agent, url, engine, fmt, history(6), False, args)
+        await throughput_case(agent, url, engine, fmt, args, published)
+    finally:
+        await agent.close()
+        stop.set()
+        await server
+        engine.stop()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--agent"]:
+        asyncio.run(agent_loop())
+        sys.exit(0)
+    parser = argparse.ArgumentParser(prog="python -m bench.gateway")
+    parser.add_argument("--requests", type=int, default=200, help="requests per latency case")
+    parser.add_argument("--sessions", type=int, default=64)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--max-new", type=int, default=8, help="tokens per completion")
+    asyncio.run(main(parser.parse_args()))

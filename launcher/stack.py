@@ -123,7 +123,7 @@ def load_plan(config: str) -> dict:
 
 
 def run(config: str, *, name: str, seed: int = 0, algo: str = "", ports: dict[str, int] | None = None,
-        runs_root: pathlib.Path | None = None, progress: bool = True) -> dict:
+        runs_root: pathlib.Path | None = None, progress: bool = True, on_healthy=None) -> dict:
     """The main job: start the stack, train until the builder reports the run's end, report, stop."""
     plan = load_plan(config)
     model_path = ensure_model(plan.get("model", "tiny-qwen3"), seed)
@@ -139,6 +139,8 @@ def run(config: str, *, name: str, seed: int = 0, algo: str = "", ports: dict[st
     try:
         stack.start(plan, seed=seed, model_path=model_path, algo=algo)
         stack.wait_healthy()
+        if on_healthy is not None:
+            on_healthy(stack)
         total = int(plan["services"]["builder"].get("total_steps", 0))
         completed = asyncio.run(watch_run(stack, events, total_steps=total, timeout=float(plan.get("timeout_seconds", 900)),
                                           progress=progress))

@@ -175,7 +175,7 @@ async def consume(bus: Bus, consumer: str, decode: Callable[[Msg], M],
                 await handle(decode(msg), msg)
             else:
                 await handle(decode(msg))
-                await msg.ack()
+                await msg.ack_sync(timeout=10.0)
         except InvalidMessage as exc:
             await bus.dead_letter(consumer, msg, str(exc))
             await msg.term()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import prometheus_client
 
 from services.common.bus import SUBJECT_PROMPTS, SUBJECT_TRAJ_RAW, Bus, consume, decoder
@@ -12,6 +13,7 @@ from services.common.logging import get_logger
 from services.common.rpc import Servicer, bound_address, call_until_ok, invalid_argument, start_server
 from services.common.service import supervise
 from services.rollout.config import RolloutConfig
+from services.rollout.engines.sequence import Sampling
 from services.rollout.engines.torch_engine import EmbeddedEngine
 from services.rollout.workflows.single_turn import sampling_from_proto, to_trajectories, validate_work
 
@@ -55,9 +57,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         if not request.prompt_ids:
             await invalid_argument(context, "prompt_ids", "empty")
         try:
-            sampling = sampling_from_proto(request.sampling)
+            sampling = sampling_from_proto(request.sampling) if request.HasField("sampling") else Sampling()
         except ValueError as exc:
-            await invalid_argument(context, "sampling", str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if request.n < 0:
             await invalid_argument(context, "n", f"must be >= 1, got {request.n}")
         try:

@@ -129,8 +129,9 @@ def _pull_link(impl: transports.Transport, endpoint: str, link: Link, items: lis
         raise type(exc)(f"{impl.name} {link.src} -> {link.dst}: {link.describe()}: {exc}") from exc
     except TimeoutError as exc:
         raise TransferTimeout(f"{impl.name} {link.src} -> {link.dst}: {link.describe()}: timed out") from exc
-    except (OSError, RuntimeError) as exc:
-        raise TransportError(f"{impl.name} {link.src} -> {link.dst}: {link.describe()}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - any library's failure (OSError, gloo, ucxx) names link and tensor
+        raise TransportError(f"{impl.name} {link.src} -> {link.dst}: {link.describe()}: "
+                             f"{type(exc).__name__}: {exc}") from exc
 
 
 def _verify(link: Link, sent: list[int]) -> list[int]:

@@ -78,6 +78,10 @@ class UcxTransport:
             try:
                 for v in views:
                     await ep.send(_array(v if v.is_contiguous() else v.contiguous()))
+                # the receiver acknowledges everything, then waits for our goodbye before it closes: no side
+                # tears the endpoint down while a message is still in flight
+                await ep.recv(np.empty(1, dtype=np.uint8))
+                await ep.send(np.ones(1, dtype=np.uint8))
             except BaseException as exc:  # noqa: BLE001 - handed to the control thread
                 errors.append(exc)
             finally:
@@ -129,6 +133,9 @@ class UcxTransport:
                         staging = link.staging()
                     await ep.recv(_array(staging[:item.num_bytes]))
                     item.dst.copy_(staged(staging, item))
+                link.current = -1
+                await ep.send(np.ones(1, dtype=np.uint8))
+                await ep.recv(np.empty(1, dtype=np.uint8))
             finally:
                 await ep.close()
 

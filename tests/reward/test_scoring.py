@@ -1,0 +1,63 @@
+"""Verifiers and trajectory scoring."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from services.common.bus import InvalidMessage
+from services.common.contracts import data_pb2
+from services.reward.scoring import Scorer
+from services.reward.verifiers import build_verifier
+
+
+@pytest.mark.parametrize("response,reward", [("47", 1.0), ("the sum is 47", 1.0), ("46", 0.0), ("4 7", 0.0),
+                                             ("", 0.0), ("47.0", 1.0), ("-47", 0.0)])
+def test_math_verifier_grades_the_last_number(response, reward):
+    verdict = build_verifier("math").score(response, {"answer": "47", "extract": "last_number"})
+    assert verdict.reward == reward
+
+
+def test_math_verifier_handles_symbolic_answers_and_tags():
+    v = build_verifier("math")
+    assert v.score("<answer>1/2</answer>", {"answer": "0.5", "extract": "tag"}).reward == 1.0
+    assert v.score("<answer>\\frac{2}{4}</answer>", {"answer": "1/2", "extract": "tag"}).reward == 1.0
+    assert v.score("no tag 0.5", {"answer": "0.5", "extract": "tag"}).reward == 0.0
+
+
+def test_exact_verifier_and_errors_name_the_field():
+    assert build_verifier("exact").score(" yes ", {"answer": "yes"}).reward == 1.0
+    with pytest.raises(ValueError, match="verifier"):
+        build_verifier("nope")
+    with pytest.raises(ValueError, match="metadata.answer"):
+        build_verifier("math").score("1", {})
+    with pytest.raises(ValueError, match="metadata.extract"):
+        build_verifier("math").score("1", {"answer": "1", "extract": "first_word"})
+
+
+def _traj(completion: list[int], meta: dict | bytes, n: int | None = None) -> data_pb2.Trajectory:
+    n = len(completion) if n is None else n
+    return data_pb2.Trajectory(trajectory_id="t", group_id="g", completion_ids=completion, versions=[0] * n,
+                               behavior_logprobs=[0.0] * n, loss_mask=[1] * n,
+                               metadata=meta if isinstance(meta, bytes) else msgpack.packb(meta))
+
+
+def test_scorer_decodes_scores_and_keeps_everything_else():
+    scorer = Scorer(lambda ids: "".join(chr(i) for i in ids), "math")
+    traj = _traj([ord("4"), ord("2")], {"answer": "42", "extract": "last_number"})
+    scored = scorer.score(traj)
+    assert scored.scored and scored.reward == 1.0 and scored.verifier == "math"
+    assert list(scored.completion_ids) == list(traj.completion_ids) and scored.trajectory_id == "t"
+    assert scorer.score(_traj([ord("7")], {"answer": "42", "extract": "last_number"})).reward == 0.0
+
+
+@pytest.mark.parametrize("traj,field", [
+    (_traj([1, 2], {"answer": "1"}, n=1), "behavior_logprobs"),
+    (_traj([1], b"\xc1not msgpack"), "metadata"),
+    (_traj([1], {"verifier": "math"}), "metadata.answer"),
+    (_traj([1], {"answer": "1", "verifier": "unknown"}), "verifier"),
+])
+def test_bad_trajectories_are_invalid_messages_naming_the_field(traj, field):
+    scorer = Scorer(lambda ids: "1", "math")
+    with pytest.raises(InvalidMessage, match=field):
+        scorer.score(traj)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -181,7 +182,7 @@ def main() -> None:
     ap.add_argument("--wx", required=True)
     ap.add_argument("--transports", default="tcp,shm")
     a = ap.parse_args()
-    configure_logging(f"bench-{a.role}", "warning")
+    configure_logging(f"bench-{a.role}", os.environ.get("MESHRL_WX_BENCH_LOG", "warning"))
     asyncio.run(main_async(a))
 
 

@@ -122,6 +122,50 @@ class Agent:
 
 
 # the service process ----------------------------------------------------------------------------------------
+class ServerTiming:
+    """Pure ASGI wrapper: time from a model request's arrival to its last body byte handed to the server."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.state = app.state  # serve_gateway reports the bound port here
+        self.samples: list[float] = []
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not scope["path"].endswith("/chat/completions"):
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+
+        async def timed_send(message) -> None:
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                self.samples.append((time.perf_counter() - t0) * 1e3)
+
+        await self.app(scope, receive, timed_send)
+
+
+class StubEngine:
+    """Answers at once with a fixed sequence: what is left is the gateway's own path and the HTTP hop."""
+
+    paused = False
+    version = 0
+
+    def __init__(self, reply: list[int]) -> None:
+        self.reply = reply
+
+    def submit(self, prompt_ids, sampling, on_finish):
+        from services.rollout.engines.sequence import Sequence
+
+        seq = Sequence(prompt_ids=list(prompt_ids), sampling=sampling, output_ids=list(self.reply),
+                       logprobs=[-1.0] * len(self.reply), versions=[0] * len(self.reply), finish_reason="stop")
+        if on_finish:
+            on_finish(seq)
+        return seq
+
+    async def generate(self, prompt_ids, sampling, n: int = 1):
+        return [self.submit(prompt_ids, sampling, None) for _ in range(n)]
+
+
+
 async def direct_latency(engine, prompt: list[int], sampling, n: int) -> list[float]:
     out = []
     for _ in range(n):
@@ -131,7 +175,8 @@ async def direct_latency(engine, prompt: list[int], sampling, n: int) -> list[fl
     return out
 
 
-async def latency_case(name: str, agent: Agent, url: str, engine, fmt, messages: list[dict], stream: bool, args) -> None:
+async def latency_case(name: str, agent: Agent, url: str, engine, fmt, messages: list[dict], stream: bool, args,
+                       timing: ServerTiming) -> None:
     """Blocks of direct calls and gateway calls, alternating, so drift hits both alike."""
     from services.rollout.engines.sequence import Sampling
     from services.rollout.gateway.messages import Message
@@ -142,6 +187,7 @@ async def latency_case(name: str, agent: Agent, url: str, engine, fmt, messages:
     direct, gateway, block = [], [], 20
     await direct_latency(engine, prompt, sampling, 5)
     await agent.run({"kind": "latency", "url": url, "body": body, "n": 0, "warmup": 5})
+    timing.samples.clear()
     for start in range(0, args.requests, block):
         n = min(block, args.requests - start)
         direct += await direct_latency(engine, prompt, sampling, n)
@@ -149,7 +195,8 @@ async def latency_case(name: str, agent: Agent, url: str, engine, fmt, messages:
     line(case=name, requests=args.requests, prompt_tokens=len(prompt), max_new_tokens=args.max_new,
          direct_p50_ms=pct(direct, 0.5), direct_p99_ms=pct(direct, 0.99), gateway_p50_ms=pct(gateway, 0.5),
          gateway_p99_ms=pct(gateway, 0.99), added_p50_ms=pct(gateway, 0.5) - pct(direct, 0.5),
-         added_p99_ms=pct(gateway, 0.99) - pct(direct, 0.99), target_added_p50_ms=2.0)
+         added_p99_ms=pct(gateway, 0.99) - pct(direct, 0.99), server_p50_ms=pct(timing.samples, 0.5),
+         server_added_p50_ms=pct(timing.samples, 0.5) - pct(direct, 0.5), target_added_p50_ms=2.0)
 
 
 async def throughput_case(agent: Agent, url: str, engine, fmt, args, published: list) -> None:
@@ -171,18 +218,28 @@ async def throughput_case(agent: Agent, url: str, engine, fmt, args, published: 
          gateway_over_direct=rps / direct_rps, trajectories_published=len(published) - before)
 
 
+async def serve(engine, tok, published: list):
+    from launcher.processes import free_port
+    from services.rollout.gateway import GatewayConfig, create_app, serve_gateway
+
+    async def publish(traj) -> None:
+        published.append(traj.trajectory_id)
+
+    config = GatewayConfig(port=free_port(), admin_key=ADMIN, max_sessions=100_000)
+    app = create_app(config, engine, tok, publish)
+    timing = ServerTiming(app)
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve_gateway(timing, config, stop))  # the timing wrapper in front of the app
+    return app, timing, stop, task, f"http://127.0.0.1:{config.port}"
+
+
 async def main(args: argparse.Namespace) -> None:
     import torch
 
-    from launcher.processes import free_port
     from services.rollout.engines.torch_engine import EmbeddedEngine
-    from services.rollout.gateway import GatewayConfig, create_app, serve_gateway
     from services.trainer.models.tiny_qwen3 import TinyQwen3Config, build_tokenizer, padded_vocab_size
 
-    torch.set_num_threads(1)
-    import os
-    if os.environ.get("SWITCH"):
-        sys.setswitchinterval(float(os.environ["SWITCH"]))
+    torch.set_num_threads(1)  # as EngineConfig does: the engine thread is much faster without a second intra-op thread
     torch.manual_seed(0)
     tok = build_tokenizer()
     model = TinyQwen3Config(max_position_embeddings=4096).build(padded_vocab_size(tok), eos_token_id=tok.eos_token_id)
@@ -190,29 +247,24 @@ async def main(args: argparse.Namespace) -> None:
                             max_context=2048, seed=0)
     engine.start()
     published: list = []
-
-    async def publish(traj) -> None:
-        published.append(traj.trajectory_id)
-
-    config = GatewayConfig(port=free_port(), admin_key=ADMIN, max_sessions=100_000)
-    app = create_app(config, engine, tok, publish)
-    stop = asyncio.Event()
-    server = asyncio.create_task(serve_gateway(app, config, stop))
-    url = f"http://127.0.0.1:{config.port}"
-    fmt = app.state.gateway.fmt
     agent = Agent()
     await agent.start()
     try:
-        while getattr(app.state, "port", None) is None:
-            await asyncio.sleep(0.01)
-        await latency_case("added_latency_chat", agent, url, engine, fmt, history(1), False, args)
-        await latency_case("added_latency_chat_stream", agent, url, engine, fmt, history(1), True, args)
-        await latency_case("added_latency_chat_turn6", agent, url, engine, fmt, history(6), False, args)
-        await throughput_case(agent, url, engine, fmt, args, published)
+        stub = StubEngine(tok.encode("Hi!", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")])
+        for label, eng in (("stub_engine", stub), ("tiny_qwen3", engine)):
+            app, timing, stop, task, url = await serve(eng, tok, published)
+            while getattr(app.state, "port", None) is None:
+                await asyncio.sleep(0.01)
+            fmt = app.state.gateway.fmt
+            await latency_case(f"added_latency_chat_{label}", agent, url, eng, fmt, history(1), False, args, timing)
+            if eng is engine:
+                await latency_case("added_latency_chat_stream_tiny_qwen3", agent, url, eng, fmt, history(1), True, args, timing)
+                await latency_case("added_latency_chat_turn6_tiny_qwen3", agent, url, eng, fmt, history(6), False, args, timing)
+                await throughput_case(agent, url, eng, fmt, args, published)
+            stop.set()
+            await task
     finally:
         await agent.close()
-        stop.set()
-        await server
         engine.stop()
 
 

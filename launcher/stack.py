@@ -160,7 +160,9 @@ def up(config: str, *, seed: int = 0, algo: str = "") -> None:
         raise SystemExit(f"a stack is already up ({STATE_FILE}); run `make down` first")
     plan = load_plan(config)
     plan["services"]["builder"]["total_steps"] = 0
-    plan["services"].setdefault("trainer", {})["total_steps"] = 0
+    trainer = plan["services"].setdefault("trainer", {})
+    trainer["total_steps"] = 0
+    trainer.setdefault("optim", {})["schedule"] = "constant"  # an unbounded run has no end to decay to
     model_path = ensure_model(plan.get("model", "tiny-qwen3"), seed)
     stack = Stack(ROOT / "runs" / "up", DEFAULT_PORTS)
     stack.nats.detach = True

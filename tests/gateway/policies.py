@@ -126,6 +126,16 @@ def calculator_replies(prompt: str, forced: str = "") -> str:
     return f"Let me check.  \n<tool_call>\n{call}\n</tool_call>"
 
 
+def arithmetic_replies(prompt: str, forced: str = "") -> str:
+    """The example agents' task solved properly: one calculator call, then 'Answer: <result>'."""
+    question = re.findall(r"What is (.+?)\?", prompt)
+    results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", prompt, flags=re.S)
+    if results:
+        return f"Answer: {results[-1].strip()}"
+    expression = question[-1] if question else "1+1"
+    return f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}\n</tool_call>'
+
+
 def _last_index(seq: list[int], sub: list[int]) -> int:
     for i in range(len(seq) - len(sub), -1, -1):
         if seq[i:i + len(sub)] == sub:

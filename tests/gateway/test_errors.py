@@ -155,3 +155,25 @@ def test_admin_key_calls_are_served_but_not_recorded(tok):
     finally:
         gw.stop()
     assert gw.published == []
+
+
+def test_engine_stopping_mid_request_is_503_or_an_error_event_and_nothing_is_recorded(tok):
+    from tests.gateway.policies import random_engine
+
+    gw = GatewayServer(random_engine(tok, seed=5), tok).start()
+    try:
+        s = gw.start_session()
+        body = {"model": "m", "messages": [{"role": "user", "content": "go"}], "max_tokens": 1500, "temperature": 1.0}
+        with httpx.stream("POST", gw.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60,
+                          headers={"Authorization": f"Bearer {s['api_key']}"}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            gw.engine.stop()
+            rest = [line for line in lines if line]
+        assert gw.engine.submitted[-1].finish_reason == "abort", "the stream outlived the engine"
+        assert json.loads(rest[-1][6:])["error"]["type"] == "server_error"
+        assert gw.session_info(s["session_id"])["interactions"] == []
+        r = call(gw, "/v1/chat/completions", body, s["api_key"])
+        assert openai_error(r, 503)["message"].startswith("the engine")
+    finally:
+        gw.stop()

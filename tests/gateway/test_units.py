@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
 
 from services.rollout.gateway.chat_format import ChatFormat
+from services.rollout.gateway.dedupe import ReplayCache
 from services.rollout.gateway.errors import ApiError
 from services.rollout.gateway.export import export_session, paths
 from services.rollout.gateway.messages import Message, Tool, ToolCall
 from services.rollout.gateway.openai_parse import parse_chat
 from services.rollout.gateway.outputs import ChoiceDecoder
-from services.rollout.gateway.session import Interaction, InvalidTransition, Session, SessionState, discounted_returns
+from services.rollout.gateway.session import (
+    Interaction,
+    InvalidTransition,
+    Session,
+    SessionState,
+    discounted_returns,
+    transcript_key,
+)
 from services.rollout.gateway.tokens import chat_prompt
 from services.rollout.gateway.toolcalls import TextEvent, ToolCallEvent, ToolCallParser, Trim
 from tests.gateway.policies import tokenizer
@@ -90,7 +99,7 @@ def test_history_reuses_sampled_ids_only_when_the_template_agrees():
     session = _session()
     first = chat_prompt(fmt, [Message("user", "hi")], [], session)
     sampled = tok.encode("Hi  there", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
-    _add(session, "a", first, sampled, Message("assistant", "Hi  there"))
+    _add_chat(session, "a", first, [Message("user", "hi")], sampled, Message("assistant", "Hi  there"))
     follow = [Message("user", "hi"), Message("assistant", "Hi  there "), Message("user", "more")]
     second = chat_prompt(fmt, follow, [], session)
     assert second.parent is not None and second.ids[:len(first.ids) + len(sampled)] == first.ids + sampled
@@ -103,9 +112,9 @@ def test_session_transitions_returns_and_branching_export():
     session = _session()
     with pytest.raises(LookupError):
         session.set_reward(1.0)
-    a = _add(session, "a", None, [1, 2], None, prompt=[9])
-    _add(session, "b", a, [3], None, prompt=[9, 1, 2, 7])
-    _add(session, "c", a, [4, 5], None, prompt=[9, 1, 2, 8])
+    _add_tokens(session, "a", None, [9], [1, 2])
+    _add_tokens(session, "b", "a", [9, 1, 2, 7], [3])
+    _add_tokens(session, "c", "a", [9, 1, 2, 8], [4, 5])
     session.set_reward(1.0)
     assert discounted_returns(session.interactions, 0.5) == [0.25, 0.5, 1.0]
     assert [[i.id for i in p] for p in paths(session)] == [["a", "c"], ["a", "b"]]
@@ -117,6 +126,22 @@ def test_session_transitions_returns_and_branching_export():
     assert list(primary.loss_mask) == [1, 1, 0, 1, 1] and list(primary.versions) == [0, 0, -1, 0, 0]
     assert (primary.group_id, primary.group_size, primary.reward) == ("grp", 2, 1.0)
     assert branch.group_size == 1 and branch.reward == 0.0 and list(branch.completion_ids) == [1, 2, 7, 3]
+    session.release()
+    assert session.interaction_count == 3 and session.interactions == []
+
+
+async def test_replay_cache_forgets_failed_and_expired_attempts():
+    cache = ReplayCache(ttl_s=0.05)
+    first = cache.register("s", "k")
+    assert cache.lookup("s", "k") is first
+    cache.fail("s", "k", first)
+    assert cache.lookup("s", "k") is None and first.result() is None
+    done = cache.register("s", "k2")
+    cache.resolve("s", "k2", done, "result")
+    await asyncio.sleep(0.06)
+    assert cache.lookup("s", "k2") is None
+    cache.register("s", "k3")
+    assert list(cache._entries) == [("s", "k3")]
 
 
 def test_parse_chat_names_nested_fields():
@@ -130,19 +155,24 @@ def _session() -> Session:
     return Session(id="s", api_key="k", task_id="t", group_id="grp", group_size=2, group_index=0)
 
 
-def _add(session: Session, iid: str, parent, output: list[int], response: Message | None, prompt=None) -> Interaction:
-    from services.rollout.gateway.session import transcript_key
+def _add_tokens(session: Session, iid: str, parent: str | None, prompt: list[int], output: list[int]) -> None:
+    session.add(Interaction(id=iid, response_id=iid, api="completions", parent_id=parent, prompt_ids=prompt,
+                            output_ids=output, logprobs=[0.0] * len(output), versions=[0] * len(output),
+                            finish_reason="stop", ended_on_stop_token=False))
 
-    if isinstance(parent, Interaction) or parent is None and prompt is not None:
-        inter = Interaction(id=iid, response_id=iid, api="completions", parent_id=parent.id if parent else None,
-                            prompt_ids=list(prompt), output_ids=output, logprobs=[0.0] * len(output),
-                            versions=[0] * len(output), finish_reason="stop", ended_on_stop_token=False)
-    else:
-        p = parent
-        msgs = (Message("user", "hi"),)
-        inter = Interaction(id=iid, response_id=iid, api="chat", parent_id=None, prompt_ids=p.ids, output_ids=output,
+
+def _add_chat(session: Session, iid: str, prompt, messages: list[Message], output: list[int], response: Message) -> None:
+    session.add(Interaction(id=iid, response_id=iid, api="chat", parent_id=None, prompt_ids=prompt.ids, output_ids=output,
                             logprobs=[0.0] * len(output), versions=[0] * len(output), finish_reason="stop",
-                            ended_on_stop_token=True, render_text=p.render_text, messages=msgs, response=response,
-                            transcript_key=transcript_key(msgs, response, []))
-    session.add(inter)
-    return inter
+                            ended_on_stop_token=True, render_text=prompt.render_text, messages=tuple(messages),
+                            response=response, transcript_key=transcript_key(tuple(messages), response, [])))
+
+
+def test_a_template_that_rejects_the_conversation_is_a_400_naming_messages():
+    tok = tokenizer()
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}"
+                         "{% endif %}{{ m['content'] }}<|im_end|>{% endfor %}")
+    fmt = ChatFormat(tok)
+    with pytest.raises(ApiError) as err:
+        fmt.render([Message("system", "x"), Message("user", "y")], [])
+    assert err.value.status == 400 and err.value.param == "messages" and "no system role" in err.value.message

@@ -65,11 +65,12 @@ def events(out: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
 
 
-async def last_deployed(url: str) -> data_pb2.VersionEvent:
+async def last_deployed(url: str, version: int) -> data_pb2.VersionEvent:
     nc = await nats.connect(url)
     try:
         msg = await nc.jetstream().get_last_msg("EVENTS", "events.version")
-        assert msg.headers["Nats-Msg-Id"].startswith("deployed-")
+        # the bus may namespace ids by subject ("events.version/deployed-3")
+        assert (msg.headers or {}).get("Nats-Msg-Id", "").endswith(f"deployed-{version}"), msg.headers
         return data_pb2.VersionEvent.FromString(msg.data)
     finally:
         await nc.close()
@@ -93,7 +94,7 @@ async def test_sync_moves_weights_bit_exact(stack, transport, version):
     for name, tensor in expected.items():
         assert torch.equal(got[name].view(torch.uint8), tensor.view(torch.uint8)), name
     assert events(stack["out"])[-2:] == [{"kind": "pause", "version": None}, {"kind": "resume", "version": version}]
-    event = await last_deployed(stack["nats"].url)
+    event = await last_deployed(stack["nats"].url, version)
     assert event.version == version and event.kind == data_pb2.VERSION_KIND_DEPLOYED
     async with channel(stack["address"]) as ch:
         status = await wx_grpc.WeightExchangeServiceStub(ch).Status(common_pb2.StatusRequest())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from services.rollout.gateway.errors import bad_request
 from services.rollout.gateway.messages import Message, Tool
 from services.rollout.gateway.toolcalls import CLOSE, OPEN
 
@@ -43,8 +44,11 @@ class ChatFormat:
     def render(self, messages: list[Message], tools: list[Tool], *, add_generation_prompt: bool = True,
                template_kwargs: dict | None = None) -> str:
         conversation, tool_dicts = self._template_input(messages, tools)
-        text = self.tokenizer.apply_chat_template(conversation, tools=tool_dicts, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=False, **(template_kwargs or {}))
+        try:
+            text = self.tokenizer.apply_chat_template(conversation, tools=tool_dicts, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
+        except Exception as exc:  # jinja raises what the template author chose (TemplateError, TypeError, ...)
+            raise bad_request("messages", f"the model's chat template rejected the conversation: {exc}") from exc
         return text if isinstance(text, str) else str(text)
 
     def encode(self, text: str) -> list[int]:
@@ -57,7 +61,7 @@ class ChatFormat:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _template_input(self, messages: list[Message], tools: list[Tool]) -> tuple[list[dict], list[dict] | None]:
-        if self.template_tools or not tools and not any(m.tool_calls or m.role == "tool" for m in messages):
+        if self.template_tools or (not tools and not any(m.tool_calls or m.role == "tool" for m in messages)):
             return [_template_message(m) for m in messages], [t.openai_dict() for t in tools] or None
         return _hermes_fallback(messages, tools), None
 

@@ -23,7 +23,8 @@ class GatewayConfig:
     # back-pressure: while the engine is paused or capacity() is False, wait this long, then 429
     max_wait_s: float = 30.0
     retry_after_s: float = 1.0                  # sent as Retry-After (and retry-after-ms) on 429
-    poll_interval_s: float = 0.005              # back-pressure and stream polling period
+    poll_interval_s: float = 0.005              # how often a waiting request re-checks pause / capacity
+    stream_interval_s: float = 0.02             # how often streamed text is read from sequences in flight
     request_timeout_s: float = 600.0            # generation longer than this is answered 504 and not recorded
 
     # sessions and export
@@ -34,6 +35,7 @@ class GatewayConfig:
     max_sessions: int = 4096                    # active sessions; start_session beyond this is 429
     publish_timeout_s: float = 10.0             # end_session waits this long for the export to be published
     replay_ttl_s: float = 600.0                 # how long a finished request can be replayed to an SDK retry
+    ended_ttl_s: float = 600.0                  # ended sessions answer 409 (then 401) for this long
     idempotency_ttl_s: float = 600.0
 
     # requests
@@ -51,7 +53,7 @@ class GatewayConfig:
             raise ValueError(f"export_mode: expected 'session' or 'interaction', got {self.export_mode!r}")
         if not 0.0 <= self.turn_discount <= 1.0:
             raise ValueError(f"turn_discount: must be in [0, 1], got {self.turn_discount}")
-        for name in ("max_wait_s", "idle_timeout_s", "poll_interval_s", "request_timeout_s"):
+        for name in ("max_wait_s", "idle_timeout_s", "poll_interval_s", "stream_interval_s", "request_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.max_body_bytes < 1024:

@@ -11,6 +11,7 @@ from typing import Any
 from services.common.contracts import data_pb2
 from services.common.logging import get_logger
 from services.rollout.engines.sequence import Sampling
+from services.rollout.gateway import metrics
 from services.rollout.gateway.backend import EngineBackend, Sampled
 from services.rollout.gateway.chat_format import ChatFormat
 from services.rollout.gateway.config import GatewayConfig
@@ -45,7 +46,8 @@ class Gateway:
         self.fmt = ChatFormat(tokenizer, config.extra_stop_tokens)
         self.backend = EngineBackend(engine, capacity=capacity, max_wait_s=config.max_wait_s,
                                      poll_s=config.poll_interval_s, retry_after_s=config.retry_after_s)
-        self.max_context = config.max_context or self.backend.max_context or getattr(tokenizer, "model_max_length", 4096)
+        self.max_context = config.max_context or self.backend.max_context or \
+            min(int(getattr(tokenizer, "model_max_length", 4096)), 32768)
         self.sessions = SessionStore(config.max_sessions)
         self.replays = ReplayCache(config.replay_ttl_s)
         self.outbox = Outbox(publish)
@@ -93,8 +95,9 @@ class Gateway:
             prompt = self._prompt(req, session)
             sampling = self._sampling(req, len(prompt.ids))
             return self._launch(req, session, prompt, sampling, replay, token)
-        except BaseException:
+        except BaseException as exc:
             self._done(session, replay, token)
+            metrics.REQUESTS.labels(req.api, str(exc.status) if isinstance(exc, ApiError) else "error").inc()
             raise
 
     async def _admit(self) -> None:
@@ -123,12 +126,15 @@ class Gateway:
             completion = Completion(id=completion_id, created=int(time.time()), model=req.model or self.config.model_name,
                                     prompt=prompt, choices=choices, version=version)
             self._record(req, session, completion)
+            metrics.REQUESTS.labels(req.api, "ok").inc()
+            metrics.PROMPT_TOKENS.inc(len(prompt.ids))
+            metrics.REUSED_TOKENS.inc(prompt.reused)
             if token is not None:
                 self.replays.resolve(session.id, replay.key, token, completion)
             return completion
 
         return LiveRun(completion_id, int(time.time()), prompt, sampled, decoders, stream=req.stream,
-                       poll_s=self.config.poll_interval_s, timeout_s=self.config.request_timeout_s,
+                       poll_s=self.config.stream_interval_s, timeout_s=self.config.request_timeout_s,
                        finalize=finalize, on_exit=lambda: self._done(session, replay, token))
 
     def _done(self, session: Session | None, replay: ReplayKey | None, token) -> None:

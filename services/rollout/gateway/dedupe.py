@@ -34,6 +34,7 @@ class ReplayCache:
     def register(self, session_id: str, key: str) -> asyncio.Future:
         self._prune()
         fut = asyncio.get_running_loop().create_future()
+        self._entries.pop((session_id, key), None)  # re-inserted last: the dict stays in time order
         self._entries[(session_id, key)] = (time.monotonic(), fut)
         return fut
 
@@ -48,9 +49,15 @@ class ReplayCache:
         if not fut.done():
             fut.set_result(None)
 
+    def forget_session(self, session_id: str) -> None:
+        for k in [k for k in self._entries if k[0] == session_id]:
+            del self._entries[k]
+
     def _prune(self) -> None:
-        if len(self._entries) < self.max_entries:
-            return
+        """Drop expired entries (the oldest come first), and the oldest finished ones past max_entries."""
         cutoff = time.monotonic() - self.ttl_s
-        for k in [k for k, (t, f) in self._entries.items() if t < cutoff or f.done()]:
+        while self._entries:
+            k, (t, fut) = next(iter(self._entries.items()))
+            if t >= cutoff and (len(self._entries) < self.max_entries or not fut.done()):
+                break
             del self._entries[k]

@@ -7,6 +7,7 @@ import time
 
 from services.common.ids import now
 from services.common.logging import get_logger
+from services.rollout.gateway import metrics
 from services.rollout.gateway.core import Gateway
 from services.rollout.gateway.errors import ApiError, bad_request
 from services.rollout.gateway.export import export_session
@@ -26,6 +27,7 @@ async def start_session(gw: Gateway, *, task_id: str, group_size: int, api_key: 
         sessions = gw.sessions.create_group(task_id=task_id, group_size=group_size, api_key=api_key, metadata=metadata)
     except OverflowError as exc:
         raise ApiError(429, str(exc), headers={"retry-after": "5"}) from exc
+    metrics.SESSIONS.labels("started").inc(len(sessions))
     get_logger().info("gateway_session_started", group_id=sessions[0].group_id, task_id=task_id, group_size=group_size)
     first = sessions[0]
     return {"group_id": first.group_id, "task_id": task_id, "group_size": group_size,
@@ -56,13 +58,17 @@ async def end_session(gw: Gateway, session: Session, *, reason: str = "ended") -
         session.transition(SessionState.ENDED, reason)
         trajectories = export_session(session, mode=gw.config.export_mode, gamma=gw.config.turn_discount)
         session.exported = len(trajectories)
+        session.release()
+        gw.replays.forget_session(session.id)
+        metrics.SESSIONS.labels(reason).inc()
+        metrics.TRAJECTORIES.inc(len(trajectories))
         session.exports = gw.enqueue(trajectories)
         if session.exports:
             await asyncio.wait(session.exports, timeout=gw.config.publish_timeout_s)
         get_logger().info("gateway_session_ended", session_id=session.id, reason=reason,
-                          interactions=len(session.interactions), trajectories=len(trajectories))
+                          interactions=session.interaction_count, trajectory_ids=[t.trajectory_id for t in trajectories])
     return {"session_id": session.id, "state": session.state.value, "end_reason": session.end_reason,
-            "interaction_count": len(session.interactions), "trajectories": session.exported,
+            "interaction_count": session.interaction_count, "trajectories": session.exported,
             "published": all(f.done() for f in session.exports)}
 
 
@@ -83,7 +89,7 @@ async def reap(gw: Gateway, stop: asyncio.Event) -> None:
         for session in gw.sessions.idle(now() - gw.config.idle_timeout_s):
             if session.inflight == 0:
                 await end_session(gw, session, reason="idle")
-        gw.sessions.prune(now() - max(gw.config.replay_ttl_s, gw.config.idle_timeout_s))
+        gw.sessions.prune(now() - gw.config.ended_ttl_s)
 
 
 async def shutdown(gw: Gateway) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 from starlette.requests import Request
@@ -10,10 +12,23 @@ from starlette.responses import Response, StreamingResponse
 
 from services.rollout.gateway import anthropic_api, openai_render, responses_api
 from services.rollout.gateway.core import Gateway
-from services.rollout.gateway.errors import ApiError
+from services.rollout.gateway.errors import ApiError, Dialect, error_body
 from services.rollout.gateway.http import SSE_HEADERS, api_key, json_response, read_json, replay_key
 from services.rollout.gateway.openai_parse import parse_chat, parse_completions
 from services.rollout.gateway.tokens import chat_prompt
+
+
+def sse(body: AsyncIterator[bytes], dialect: Dialect = "openai") -> StreamingResponse:
+    """An event stream; an error after the headers went out (the engine stopped) ends it with an error event."""
+    async def guarded() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in body:
+                yield chunk
+        except ApiError as err:
+            data = json.dumps(error_body(err, dialect))
+            yield (f"event: error\ndata: {data}\n\n" if dialect == "anthropic" else f"data: {data}\n\n").encode()
+
+    return StreamingResponse(guarded(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 def add_model_routes(app: FastAPI, gw: Gateway) -> None:
@@ -26,9 +41,8 @@ def add_model_routes(app: FastAPI, gw: Gateway) -> None:
         req = parse_chat(body, max_n=cfg.max_n, strict=cfg.reject_unknown_params)
         run = await gw.run(req, caller, replay_key(request, raw))
         if req.stream:
-            return StreamingResponse(openai_render.chat_stream(run, req.n, req.model, gw.backend.version, gw.fmt,
-                                                               logprobs=req.logprobs, include_usage=req.include_usage),
-                                     media_type="text/event-stream", headers=SSE_HEADERS)
+            return sse(openai_render.chat_stream(run, req.n, req.model, gw.backend.version, gw.fmt,
+                                                 logprobs=req.logprobs, include_usage=req.include_usage))
         return json_response(openai_render.chat_response(await run.finish(), gw.fmt, logprobs=req.logprobs))
 
     async def completions(request: Request) -> Response:
@@ -37,9 +51,8 @@ def add_model_routes(app: FastAPI, gw: Gateway) -> None:
         req = parse_completions(body, max_n=cfg.max_n, strict=cfg.reject_unknown_params)
         run = await gw.run(req, caller, replay_key(request, raw))
         if req.stream:
-            return StreamingResponse(openai_render.completions_stream(run, req.model, gw.fmt, logprobs=req.logprobs,
-                                                                      include_usage=req.include_usage),
-                                     media_type="text/event-stream", headers=SSE_HEADERS)
+            return sse(openai_render.completions_stream(run, req.model, gw.fmt, logprobs=req.logprobs,
+                                                        include_usage=req.include_usage))
         return json_response(openai_render.completions_response(await run.finish(), gw.fmt, logprobs=req.logprobs))
 
     async def responses(request: Request) -> Response:
@@ -48,8 +61,7 @@ def add_model_routes(app: FastAPI, gw: Gateway) -> None:
         req = responses_api.parse_responses(body, strict=cfg.reject_unknown_params)
         run = await gw.run(req, caller, replay_key(request, raw))
         if req.stream:
-            return StreamingResponse(responses_api.response_stream(req, run, req.model), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
+            return sse(responses_api.response_stream(req, run, req.model))
         c = await run.finish()
         return json_response(responses_api.response_object(req, c.id, c.created, req.model, c))
 
@@ -59,8 +71,7 @@ def add_model_routes(app: FastAPI, gw: Gateway) -> None:
         req = anthropic_api.parse_messages(body, strict=cfg.reject_unknown_params)
         run = await gw.run(req, caller, replay_key(request, raw))
         if req.stream:
-            return StreamingResponse(anthropic_api.message_stream(run, req.model), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
+            return sse(anthropic_api.message_stream(run, req.model), "anthropic")
         return json_response(anthropic_api.message_response(await run.finish()))
 
     async def count_tokens(request: Request) -> Response:

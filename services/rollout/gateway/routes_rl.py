@@ -89,6 +89,7 @@ def add_rl_routes(app: FastAPI, gw: Gateway) -> None:
         return json_response({
             "session_id": session.id, "task_id": session.task_id, "group_id": session.group_id,
             "state": session.state.value, "end_reason": session.end_reason, "trajectories": session.exported,
+            "interaction_count": session.interaction_count,
             "interactions": [{"id": i.id, "parent_id": i.parent_id, "api": i.api, "prompt_tokens": len(i.prompt_ids),
                               "completion_tokens": len(i.output_ids), "reused_prompt_tokens": i.sampling.get("reused_prompt_tokens", 0),
                               "finish_reason": i.finish_reason, "reward": i.reward} for i in session.interactions]})

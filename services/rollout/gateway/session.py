@@ -75,6 +75,7 @@ class Session:
     end_reason: str = ""
     exported: int = 0
     inflight: int = 0
+    released: int | None = None     # after export: how many interactions there were (their tokens are freed)
     exports: list = dataclasses.field(default_factory=list)   # publish futures of the exported trajectories
     interactions: list[Interaction] = dataclasses.field(default_factory=list)
     _by_id: dict[str, Interaction] = dataclasses.field(default_factory=dict)
@@ -83,6 +84,15 @@ class Session:
     @property
     def active(self) -> bool:
         return self.state is SessionState.ACTIVE
+
+    @property
+    def interaction_count(self) -> int:
+        return len(self.interactions) if self.released is None else self.released
+
+    def release(self) -> None:
+        """Free the token data of an exported session; its counts stay for idempotent answers."""
+        self.released = len(self.interactions)
+        self.interactions, self._by_id, self._by_transcript = [], {}, {}
 
     def transition(self, to: SessionState, reason: str = "") -> None:
         if to not in VALID_TRANSITIONS[self.state]:

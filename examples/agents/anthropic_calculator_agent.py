@@ -1,0 +1,59 @@
+"""The same arithmetic agent written with the official `anthropic` SDK (tool_use / tool_result blocks).
+
+The Anthropic client sends the session key as `x-api-key`; `base_url` is the gateway root.
+
+    python examples/agents/anthropic_calculator_agent.py --base-url http://127.0.0.1:8000 --episodes 20
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+from anthropic import Anthropic
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import SYSTEM, arguments, finish, reward, run_tool, start_sessions, task  # noqa: E402
+
+TOOLS = [{"name": "calculator", "description": "Evaluate an arithmetic expression with + - * / and parentheses.",
+          "input_schema": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}]
+
+
+def episode(client: Anthropic, model: str, question: str, max_turns: int, max_tokens: int) -> tuple[str, int, int]:
+    messages: list[dict] = [{"role": "user", "content": question}]
+    calls = 0
+    for turn in range(1, max_turns + 1):
+        reply = client.messages.create(model=model, system=SYSTEM, messages=messages, tools=TOOLS, max_tokens=max_tokens)
+        messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]})
+        uses = [b for b in reply.content if b.type == "tool_use"]
+        if not uses:
+            return "".join(b.text for b in reply.content if b.type == "text"), turn, calls
+        calls += len(uses)
+        messages.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": b.id, "content": run_tool(b.name, b.input)} for b in uses]})
+    return "", max_turns, calls
+
+
+def main() -> None:
+    args = arguments(__doc__)
+    rng = random.Random(args.seed)
+    rewards: list[float] = []
+    done = 0
+    while done < args.episodes:
+        task_id, question, expected = task(rng)
+        for key in start_sessions(args, task_id):
+            client = Anthropic(base_url=args.base_url, api_key=key, max_retries=5)
+            answer, turns, tools = episode(client, args.model, question, args.max_turns, args.max_tokens)
+            value = reward(answer, expected)
+            ended = finish(args, key, value)
+            rewards.append(value)
+            done += 1
+            print(json.dumps({"episode": done, "task_id": task_id, "turns": turns, "tool_calls": tools, "reward": value,
+                              "mean_reward_last_20": sum(rewards[-20:]) / len(rewards[-20:]),
+                              "trajectories": ended.get("trajectories")}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""What both example agents share: the arithmetic task, a safe calculator, and the gateway's /rl routes.
+
+Nothing here is meshrl-specific except `start_session` / `set_reward` / `end_session`, which are plain HTTP
+calls an agent adds to report its reward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import operator
+import os
+import random
+import re
+import urllib.request
+
+DEV_ADMIN_KEY = "meshrl-dev-admin-key"
+SYSTEM = ("You are a careful arithmetic assistant. Use the calculator tool for every computation, then reply with "
+          "'Answer: <number>'.")
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+
+def arguments(description: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--base-url", default=os.environ.get("MESHRL_GATEWAY_URL", "http://127.0.0.1:8000"),
+                   help="the gateway (the OpenAI base URL is <base-url>/v1)")
+    p.add_argument("--admin-key", default=os.environ.get("MESHRL_ADMIN_KEY", DEV_ADMIN_KEY),
+                   help="starts sessions (env MESHRL_ADMIN_KEY)")
+    p.add_argument("--api-key", default=os.environ.get("MESHRL_SESSION_KEY"),
+                   help="use this fixed session key (re-started for every episode, like OpenClaw) instead of fresh ones")
+    p.add_argument("--episodes", type=int, default=8)
+    p.add_argument("--group-size", type=int, default=4, help="episodes per task (a GRPO group)")
+    p.add_argument("--max-turns", type=int, default=6)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default="meshrl-policy")
+    return p.parse_args()
+
+
+def task(rng: random.Random) -> tuple[str, str, float]:
+    a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(2, 9)
+    op = rng.choice(["+", "-", "*"])
+    expression = f"({a} {op} {b}) * {c}"
+    return f"task-{a}{op}{b}x{c}", f"What is ({a} {op} {b}) * {c}?", calculate(expression)
+
+
+def calculate(expression: str) -> float:
+    """Evaluates + - * / and parentheses on numbers; anything else raises ValueError."""
+    def ev(node: ast.AST) -> float:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.operand))
+        raise ValueError(f"unsupported expression: {expression!r}")
+    try:
+        return ev(ast.parse(expression, mode="eval").body)
+    except (SyntaxError, ZeroDivisionError, RecursionError) as exc:
+        raise ValueError(str(exc)) from exc
+
+
+def run_tool(name: str, args: dict | str) -> str:
+    if name != "calculator":
+        return f"error: unknown tool {name!r}"
+    expression = args.get("expression") if isinstance(args, dict) else args
+    try:
+        value = calculate(str(expression))
+    except ValueError as exc:
+        return f"error: {exc}"
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+def reward(answer: str, expected: float) -> float:
+    """1 for the right number after 'Answer:' (or the last number), 0.1 for a well-formed wrong one, else 0."""
+    found = re.findall(r"Answer:\s*(-?\d+(?:\.\d+)?)", answer) or re.findall(r"-?\d+(?:\.\d+)?", answer)
+    if not found:
+        return 0.0
+    return 1.0 if abs(float(found[-1]) - expected) < 1e-6 else 0.1
+
+
+def post(base_url: str, path: str, key: str, body: dict) -> dict:
+    req = urllib.request.Request(base_url.rstrip("/") + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read() or b"{}")
+
+
+def start_sessions(args: argparse.Namespace, task_id: str) -> list[str]:
+    """Session keys for one task: a group of fresh keys, or the fixed --api-key started again."""
+    if args.api_key:
+        post(args.base_url, "/rl/start_session", args.admin_key, {"task_id": task_id, "api_key": args.api_key})
+        return [args.api_key]
+    group = post(args.base_url, "/rl/start_session", args.admin_key, {"task_id": task_id, "group_size": args.group_size})
+    return [s["api_key"] for s in group["sessions"]]
+
+
+def finish(args: argparse.Namespace, key: str, value: float) -> dict:
+    post(args.base_url, "/rl/set_reward", key, {"reward": value})
+    return post(args.base_url, "/rl/end_session", key, {})

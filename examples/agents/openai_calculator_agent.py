@@ -1,0 +1,66 @@
+"""A multi-turn, tool-using arithmetic agent written with the official `openai` SDK.
+
+To train it with meshrl, only two things change from calling a model provider: `base_url` points at the
+gateway and `api_key` is a session key. After each episode it reports its reward to /rl/set_reward.
+
+    python examples/agents/openai_calculator_agent.py --base-url http://127.0.0.1:8000 --episodes 20
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+from openai import OpenAI
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import SYSTEM, arguments, finish, reward, run_tool, start_sessions, task  # noqa: E402
+
+TOOLS = [{"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression with + - * / and parentheses.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+
+
+def episode(client: OpenAI, model: str, question: str, max_turns: int, max_tokens: int) -> tuple[str, int, int]:
+    """Returns (final answer text, model calls, tool calls)."""
+    messages: list[dict] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    calls = 0
+    for turn in range(1, max_turns + 1):
+        message = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,
+                                                 max_tokens=max_tokens).choices[0].message
+        messages.append(message.model_dump(exclude_none=True))  # sent back verbatim: the gateway reuses its tokens
+        if not message.tool_calls:
+            return message.content or "", turn, calls
+        for call in message.tool_calls:
+            calls += 1
+            try:
+                args = json.loads(call.function.arguments)
+            except ValueError:
+                args = call.function.arguments
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": run_tool(call.function.name, args)})
+    return "", max_turns, calls
+
+
+def main() -> None:
+    args = arguments(__doc__)
+    rng = random.Random(args.seed)
+    rewards: list[float] = []
+    done = 0
+    while done < args.episodes:
+        task_id, question, expected = task(rng)
+        for key in start_sessions(args, task_id):
+            client = OpenAI(base_url=args.base_url.rstrip("/") + "/v1", api_key=key, max_retries=5)
+            answer, turns, tools = episode(client, args.model, question, args.max_turns, args.max_tokens)
+            value = reward(answer, expected)
+            ended = finish(args, key, value)
+            rewards.append(value)
+            done += 1
+            print(json.dumps({"episode": done, "task_id": task_id, "turns": turns, "tool_calls": tools, "reward": value,
+                              "mean_reward_last_20": sum(rewards[-20:]) / len(rewards[-20:]),
+                              "trajectories": ended.get("trajectories")}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

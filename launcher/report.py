@@ -72,7 +72,7 @@ def _statuses(stack) -> dict:
     return out
 
 
-def plot(events: EventLog, path: pathlib.Path) -> None:
+def plot(events: EventLog, path: pathlib.Path, *, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -86,7 +86,7 @@ def plot(events: EventLog, path: pathlib.Path) -> None:
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend()
-    ax.set_title("meshrl: asynchronous GRPO")
+    ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -124,5 +124,5 @@ def write_report(stack, events: EventLog, run_dir: pathlib.Path, *, plan: dict, 
         "status": status,
     }
     if trained or evals:
-        plot(events, run_dir / "reward_accuracy.png")
+        plot(events, run_dir / "reward_accuracy.png", title=f"meshrl: asynchronous {algo}, eta={summary['eta']}")
     return summary

@@ -56,7 +56,8 @@ class Stack:
         self.nats.start()
         for service in SERVICES:
             cfg = dict(plan.get("services", {}).get(service) or {})
-            cfg.update(nats_url=self.nats.url, grpc_address=self.address(service), run_dir=str(self.run_dir))
+            cfg.update(nats_url=self.nats.url, grpc_address=self.address(service), run_dir=str(self.run_dir),
+                       metrics_port=self.ports[service] + 1000 if detach else 0)
             if service in ("rollout", "trainer"):
                 cfg["wx_address"] = self.address("weight_exchange")
             if service in ("builder", "reward", "trainer"):

@@ -17,7 +17,7 @@ def _admin_key_from_env() -> str:
 class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    admin_key: str = dataclasses.field(default_factory=_admin_key_from_env)
+    admin_key: str = dataclasses.field(default_factory=_admin_key_from_env, repr=False)
     model_name: str = "meshrl-policy"           # reported by /v1/models and in responses; requests may name any model
 
     # back-pressure: while the engine is paused or capacity() is False, wait this long, then 429

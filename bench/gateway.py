@@ -1,14 +1,16 @@
 """`make bench-gateway`: the agent gateway's cost, one JSON line per case.
 
-Set up as the rollout service runs it: one process holds a tiny Qwen3 (built here, no downloads) in an
-EmbeddedEngine and serves the gateway with uvicorn on its event loop; the agent is another process (httpx,
-keep-alive) on loopback. Measured side by side in one run:
+Set up as the rollout service runs it: one process holds the engine and serves the gateway with uvicorn on its
+event loop; the agent is another process (httpx, keep-alive) on loopback. Measured side by side in one run:
 
-- added latency: the same prompt and sampling (greedy, fixed length) through `engine.generate` called on the
-  service's loop, and through `POST /v1/chat/completions` with a session key from the agent process; p50 / p99
-  of each and their difference. Cases: a first turn, the same streamed, and a 6th turn (history reused).
-- sustained requests/s with 64 concurrent sessions (each a multi-turn conversation, one agent process),
-  beside the same generations sent to the engine directly.
+- added latency: the same prompt and sampling through `engine.generate` called on the service's loop, and through
+  `POST /v1/chat/completions` with a session key from the agent process, in alternating blocks; p50 / p99 of each
+  and their difference, end to end (`added_*`) and inside the server (`server_added_p50_ms`: from the request's
+  arrival to its last byte, minus the direct call). First with a stub engine that answers at once (the gateway's
+  own path and the HTTP hop), then with a tiny Qwen3 built here (a first turn, the same streamed, a 6th turn).
+- requests/s with 64 concurrent sessions (each a 4-turn conversation in one agent process): against the stub
+  engine (the gateway's own capacity), and against the tiny Qwen3 beside the same agents calling the engine
+  directly in-process and beside every turn's 64 prompts submitted at once (the engine's best case).
 
     python -m bench.gateway [--requests 200] [--sessions 64] [--turns 4] [--max-new 8]
 """
@@ -83,9 +85,9 @@ async def agent_throughput(url: str, sessions: int, turns: int, max_new: int) ->
             await client.post(url + "/rl/set_reward", json={"reward": 1.0}, headers=headers)
             await client.post(url + "/rl/end_session", headers=headers)
 
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         await asyncio.gather(*(agent(s["api_key"], i) for i, s in enumerate(group["sessions"])))
-        return {"wall_s": time.perf_counter() - t0, "requests": sessions * turns}
+        return {"wall_s": time.perf_counter() - t0, "requests": sessions * turns, "agent_cpu_s": time.process_time() - cpu0}
 
 
 async def agent_loop() -> None:
@@ -199,23 +201,57 @@ async def latency_case(name: str, agent: Agent, url: str, engine, fmt, messages:
          server_added_p50_ms=pct(timing.samples, 0.5) - pct(direct, 0.5), target_added_p50_ms=2.0)
 
 
+async def direct_agents(engine, fmt, sessions: int, turns: int, max_new: int) -> float:
+    """The same agents, in this process, calling engine.generate with the gateway's own prompts (no HTTP)."""
+    from services.rollout.engines.sequence import Sampling
+    from services.rollout.gateway.messages import Message
+
+    sampling = Sampling(temperature=1.0, max_new_tokens=max_new, stop_token_ids=tuple(sorted(fmt.stop_token_ids)))
+
+    async def agent(seed: int) -> None:
+        messages = [Message("user", f"Task {seed}: add the numbers.")]
+        for turn in range(turns):
+            (seq,) = await engine.generate(fmt.encode(fmt.render(messages, [])), sampling)
+            messages += [Message("assistant", fmt.decode(seq.output_ids)), Message("user", f"next {turn}")]
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(agent(i) for i in range(sessions)))
+    return time.perf_counter() - t0
+
+
 async def throughput_case(agent: Agent, url: str, engine, fmt, args, published: list) -> None:
+    """64 agents at once through the gateway, beside the same agents calling the engine directly, and beside
+    every turn's 64 prompts submitted to the engine together (its best case: one prefill per turn)."""
     from services.rollout.engines.sequence import Sampling
     from services.rollout.gateway.messages import Message
 
     before = len(published)
+    cpu0 = time.process_time()
     result = await agent.run({"kind": "throughput", "url": url, "sessions": args.sessions, "turns": args.turns,
                               "max_new": args.max_new})
+    service_cpu = time.process_time() - cpu0
+    agents_wall = await direct_agents(engine, fmt, args.sessions, args.turns, args.max_new)
     prompts = [fmt.encode(fmt.render([Message("user", f"Task {i}: add the numbers.")], [])) for i in range(args.sessions)]
     sampling = Sampling(temperature=1.0, max_new_tokens=args.max_new, stop_token_ids=tuple(sorted(fmt.stop_token_ids)))
     t0 = time.perf_counter()
     for _ in range(args.turns):
         await asyncio.gather(*(engine.generate(p, sampling) for p in prompts))
-    direct_wall = time.perf_counter() - t0
-    rps, direct_rps = result["requests"] / result["wall_s"], args.sessions * args.turns / direct_wall
+    batched_wall = time.perf_counter() - t0
+    n = args.sessions * args.turns
+    rps = result["requests"] / result["wall_s"]
     line(case=f"throughput_{args.sessions}_sessions", sessions=args.sessions, turns=args.turns, requests=result["requests"],
-         max_new_tokens=args.max_new, wall_s=result["wall_s"], requests_per_s=rps, direct_engine_requests_per_s=direct_rps,
-         gateway_over_direct=rps / direct_rps, trajectories_published=len(published) - before)
+         max_new_tokens=args.max_new, wall_s=result["wall_s"], requests_per_s=rps,
+         direct_agents_requests_per_s=n / agents_wall, gateway_over_direct_agents=rps / (n / agents_wall),
+         direct_batched_requests_per_s=n / batched_wall, service_cpu_s=service_cpu, agent_cpu_s=result["agent_cpu_s"],
+         trajectories_published=len(published) - before)
+
+
+async def stub_throughput_case(agent: Agent, url: str, args) -> None:
+    """The gateway's own capacity: 64 sessions against an engine that answers at once."""
+    result = await agent.run({"kind": "throughput", "url": url, "sessions": args.sessions, "turns": args.turns,
+                              "max_new": args.max_new})
+    line(case=f"throughput_{args.sessions}_sessions_stub_engine", sessions=args.sessions, turns=args.turns,
+         requests=result["requests"], wall_s=result["wall_s"], requests_per_s=result["requests"] / result["wall_s"])
 
 
 async def serve(engine, tok, published: list):
@@ -257,7 +293,9 @@ async def main(args: argparse.Namespace) -> None:
                 await asyncio.sleep(0.01)
             fmt = app.state.gateway.fmt
             await latency_case(f"added_latency_chat_{label}", agent, url, eng, fmt, history(1), False, args, timing)
-            if eng is engine:
+            if eng is stub:
+                await stub_throughput_case(agent, url, args)
+            else:
                 await latency_case("added_latency_chat_stream_tiny_qwen3", agent, url, eng, fmt, history(1), True, args, timing)
                 await latency_case("added_latency_chat_turn6_tiny_qwen3", agent, url, eng, fmt, history(6), False, args, timing)
                 await throughput_case(agent, url, eng, fmt, args, published)

@@ -22,6 +22,8 @@ class PackedBatch:
     versions: torch.Tensor       # long[B, L-1], -1 off the completion
     rewards: torch.Tensor        # float[B]
     group_ids: torch.Tensor      # long[B]
+    lengths: torch.Tensor        # long[B], completion tokens per row
+    truncated: torch.Tensor      # bool[B], generation stopped at max_new_tokens (finish_reason "length")
 
     def rows(self, index: torch.Tensor) -> PackedBatch:
         return PackedBatch(**{f.name: getattr(self, f.name)[index] for f in dataclasses.fields(self)})
@@ -62,7 +64,9 @@ def pack(trajectories: list[data_pb2.Trajectory], pad_token_id: int) -> PackedBa
         groups.append(group_index.setdefault(t.group_id, len(group_index)))
     return PackedBatch(input_ids, attention, loss_mask, behav, versions,
                        torch.tensor([t.reward for t in trajectories], dtype=torch.float),
-                       torch.tensor(groups, dtype=torch.long))
+                       torch.tensor(groups, dtype=torch.long),
+                       torch.tensor([len(t.completion_ids) for t in trajectories], dtype=torch.long),
+                       torch.tensor([t.finish_reason == "length" for t in trajectories], dtype=torch.bool))
 
 
 def trajectory_staleness(t: data_pb2.Trajectory, train_version: int) -> int:
@@ -72,3 +76,16 @@ def trajectory_staleness(t: data_pb2.Trajectory, train_version: int) -> int:
 
 def distinct_versions(t: data_pb2.Trajectory) -> int:
     return len({v for v in t.versions if v >= 0})
+
+
+def batch_staleness(versions: torch.Tensor, train_version: int) -> dict[str, float]:
+    """Histogram of trajectory staleness in a packed batch: ``staleness_hist_<s>`` = rows that are s versions
+    old (by their oldest generated token), plus mean and max."""
+    generated = versions >= 0
+    oldest = torch.where(generated, versions, train_version).min(-1).values
+    stale = (train_version - oldest).clamp(min=0)
+    values, counts = torch.unique(stale, return_counts=True)
+    out = {f"staleness_hist_{int(v)}": float(c) for v, c in zip(values.tolist(), counts.tolist(), strict=True)}
+    out["staleness_traj_mean"] = float(stale.float().mean()) if stale.numel() else 0.0
+    out["staleness_traj_max"] = float(stale.max()) if stale.numel() else 0.0
+    return out

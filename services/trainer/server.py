@@ -10,23 +10,22 @@ import pathlib
 import grpc
 import prometheus_client
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.common.bus import SUBJECT_VERSIONS, Bus, InvalidMessage, consume, decoder
 from services.common.contracts import common_pb2, data_pb2, trainer_pb2, trainer_pb2_grpc
 from services.common.ids import now
 from services.common.logging import get_logger
 from services.common.rpc import Servicer, call_until_ok, start_server
-from services.trainer.algorithms import AlgorithmConfig
 from services.trainer.batching import distinct_versions, pack, trajectory_staleness
-from services.trainer.checkpoint import save_checkpoint
 from services.trainer.config import TrainerConfig
-from services.trainer.step import train_step
+from services.trainer.engine import TrainerEngine
 
 VERSION = prometheus_client.Gauge("meshrl_trainer_policy_version", "Trainer policy version")
 STEP_METRICS = prometheus_client.Gauge("meshrl_trainer_step_metric", "Last step metrics", ["name"])
 STALENESS = prometheus_client.Histogram("meshrl_trainer_staleness", "Trajectory staleness when trained",
                                         buckets=(0, 1, 2, 3, 4, 6, 8, 16))
+BATCH_STALENESS = prometheus_client.Gauge("meshrl_trainer_batch_staleness_trajectories",
+                                          "Trajectories of the last batch by staleness (versions)", ["staleness"])
 
 
 class Trainer:
@@ -36,11 +35,7 @@ class Trainer:
         torch.manual_seed(config.seed)
         if config.torch_threads > 0:
             torch.set_num_threads(config.torch_threads)
-        self.model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=torch.float32)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
-        self.algo = AlgorithmConfig.from_preset(config.algo, **config.algo_overrides).build()
-        self.optimizer, self.schedule = config.optim.build(self.model, total_steps=config.total_steps)
-        self.generator = torch.Generator().manual_seed(config.seed)
+        self.engine = TrainerEngine(config)
         self.version = 0
         self.trajectories_trained = 0
         self.max_staleness = 0
@@ -60,14 +55,12 @@ class Trainer:
         if batch.index > self.version:
             raise RuntimeError(f"batch {batch.index} arrived at version {self.version}; waiting for the earlier one")
         try:
-            packed = pack(list(batch.trajectories), self.tokenizer.pad_token_id or 0)
+            packed = pack(list(batch.trajectories), self.engine.pad_token_id)
         except ValueError as exc:
             raise InvalidMessage(str(exc)) from exc
         staleness = [trajectory_staleness(t, self.version) for t in batch.trajectories]
         started = now()
-        metrics = await asyncio.to_thread(
-            train_step, self.model, self.optimizer, self.algo, packed, version=self.version, optim=self.config.optim,
-            temperature=self.config.temperature, generator=self.generator, schedule=self.schedule)
+        metrics = await asyncio.to_thread(self.engine.step, packed, self.version)
         self.version += 1
         self.trajectories_trained += len(batch.trajectories)
         self.max_staleness = max(self.max_staleness, *staleness)
@@ -79,8 +72,12 @@ class Trainer:
                        max_versions_in_one_trajectory=float(self.max_versions), dropped_stale=float(batch.dropped_stale))
         self.last_metrics = metrics
         VERSION.set(self.version)
+        BATCH_STALENESS.clear()  # the histogram's keys change from batch to batch
         for key, value in metrics.items():
-            STEP_METRICS.labels(key).set(value)
+            if key.startswith("staleness_hist_"):
+                BATCH_STALENESS.labels(key.removeprefix("staleness_hist_")).set(value)
+            else:
+                STEP_METRICS.labels(key).set(value)
         await self.sync_weights(metrics)
         event = data_pb2.VersionEvent(event_id=f"trained-{self.version}", version=self.version,
                                       kind=data_pb2.VERSION_KIND_TRAINED, at=now(), metrics=metrics)
@@ -111,7 +108,7 @@ class Trainer:
 
     async def checkpoint(self, path: str = "", *, final: bool = False) -> pathlib.Path:
         target = pathlib.Path(path) if path else self.run_dir / ("final" if final else f"checkpoints/v{self.version}")
-        out = await asyncio.to_thread(save_checkpoint, self.model, self.tokenizer, target, version=self.version)
+        out = await asyncio.to_thread(self.engine.save, target, version=self.version)
         event = data_pb2.VersionEvent(event_id=f"checkpoint-{self.version}-{target.name}", version=self.version,
                                       kind=data_pb2.VERSION_KIND_CHECKPOINT, at=now(), checkpoint_path=str(out))
         await self.bus.publish(SUBJECT_VERSIONS, event, event.event_id)
@@ -157,12 +154,15 @@ async def serve(config: TrainerConfig, stop: asyncio.Event) -> None:
     if config.wx_address:
         from services.weight_exchange.client import SenderAgent
 
-        trainer.sender = SenderAgent(rank_id=config.rank_id, params=dict(trainer.model.named_parameters()),
+        trainer.sender = SenderAgent(rank_id=config.rank_id, params=trainer.engine.weights(),
                                      wx_address=config.wx_address, token=config.auth_token,
                                      transports=(config.weight_transport,), host="127.0.0.1")
         await trainer.sender.open()
         await call_until_ok(trainer.sender.register, stop, what="weight_exchange")
-    get_logger().info("serving", grpc_port=rpc.port, algo=config.algo)
+    engine = trainer.engine
+    get_logger().info("serving", grpc_port=rpc.port, algo=config.algo, lora=config.lora.enabled,
+                      critic=engine.critic is not None, reference=engine.reference is not None,
+                      trainable_parameters=engine.trainable_parameters())
     await consume(bus, "trainer", decoder(data_pb2.TrainingBatch), trainer.handle_batch, stop, gate=trainer.running)
     if trainer.sender is not None:
         await trainer.sender.close()

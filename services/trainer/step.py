@@ -1,104 +1,104 @@
-"""One optimizer step on a packed batch with a configured algorithm. Torch only, no I/O."""
+"""One training step on a packed batch with a configured algorithm. Torch only, no I/O.
+
+Online presets: recompute proximal log-probs, reference log-probs and critic values (no grad) ->
+dynamic-sampling filter -> advantages -> minibatch updates of the policy (and the critic).
+Offline presets (``sft``, ``dpo``) go to ``offline_step``.
+"""
 
 from __future__ import annotations
 
-import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
-from services.trainer.algorithms import Algorithm, token_entropy, token_logp
-from services.trainer.batching import PackedBatch
+from services.trainer.algorithms import Algorithm, kl_estimate, masked_mean, token_entropy, token_logp
+from services.trainer.batching import PackedBatch, batch_staleness
+from services.trainer.forward import frozen_logp, policy_logp, sequence_logits
+from services.trainer.optim import OptimConfig, StatsMean, apply_update
+
+if TYPE_CHECKING:
+    from services.trainer.critic import Critic
+    from services.trainer.reference import Reference
+
+__all__ = ["OptimConfig", "batch_metrics", "kl_to_reference", "policy_logp", "sequence_logits", "train_step"]
 
 
-@dataclasses.dataclass(kw_only=True)
-class OptimConfig:
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = 1.0
-    minibatches: int = 1   # optimizer updates per training batch
-    epochs: int = 1        # passes over the batch
-    warmup_updates: int = 0  # linear learning-rate warm-up over this many optimizer updates
-    schedule: str = "constant"  # "constant" or "linear" (decay to min_lr_ratio * lr at the last update)
-    min_lr_ratio: float = 0.1
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"optim.lr: must be > 0, got {self.lr}")
-        if self.minibatches < 1 or self.epochs < 1:
-            raise ValueError("optim.minibatches / optim.epochs: must be >= 1")
-        if self.schedule not in ("constant", "linear"):
-            raise ValueError(f"optim.schedule: must be 'constant' or 'linear', got {self.schedule!r}")
-
-    def build(self, model: torch.nn.Module, *, total_steps: int = 0
-              ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr, weight_decay=self.weight_decay,
-                                      betas=tuple(self.betas))
-        total = total_steps * self.minibatches * self.epochs
-        if self.schedule == "linear" and not total:
-            raise ValueError("optim.schedule: 'linear' needs total_steps > 0")
-        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: self.lr_factor(n, total))
-
-    def lr_factor(self, update: int, total_updates: int) -> float:
-        warm = min(1.0, (update + 1) / (self.warmup_updates + 1))
-        if self.schedule == "constant" or update < self.warmup_updates:
-            return warm
-        span = max(1, total_updates - self.warmup_updates)
-        done = min(1.0, (update - self.warmup_updates) / span)
-        return 1.0 - (1.0 - self.min_lr_ratio) * done
+def batch_metrics(batch: PackedBatch, version: int) -> dict[str, float]:
+    """What the batch is, before any filtering: size, reward, length, staleness histogram."""
+    return {"reward_mean": float(batch.rewards.mean()), "samples": float(batch.size),
+            "completion_tokens_mean": float(batch.lengths.float().mean()),
+            "truncated_fraction": float(batch.truncated.float().mean()), **batch_staleness(batch.versions, version)}
 
 
-def sequence_logits(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
-    return out.logits[:, :-1, :]
+def kl_to_reference(logp: torch.Tensor, ref_logp: torch.Tensor, loss_mask: torch.Tensor) -> float:
+    """k3 estimate of KL(pi || ref) over the trained tokens: >= 0, and 0 exactly when pi == ref."""
+    mask = loss_mask.bool()
+    kl = kl_estimate(torch.where(mask, logp, 0.0), torch.where(mask, ref_logp, 0.0), "k3")
+    return float(masked_mean(kl, mask)) if mask.any() else 0.0
 
 
-def policy_logp(model: torch.nn.Module, batch: PackedBatch, temperature: float) -> torch.Tensor:
-    return token_logp(sequence_logits(model, batch), batch.input_ids[:, 1:], temperature)
+def minibatches(n: int, optim: OptimConfig, generator: torch.Generator):
+    """Index tensors of each minibatch of each epoch (shuffled per epoch)."""
+    for _ in range(optim.epochs):
+        order = torch.randperm(n, generator=generator)
+        for part in torch.tensor_split(order, min(optim.minibatches, max(1, n))):
+            if part.numel():
+                yield part
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, algo: Algorithm, batch: PackedBatch, *,
                version: int, optim: OptimConfig, temperature: float, generator: torch.Generator,
-               schedule: torch.optim.lr_scheduler.LRScheduler | None = None) -> dict[str, float]:
-    """Decoupled-PPO style update: recompute proximal log-probs, advantages, then minibatch updates."""
+               schedule: torch.optim.lr_scheduler.LRScheduler | None = None, critic: Critic | None = None,
+               reference: Reference | None = None, sft_min_reward: float = 0.0) -> dict[str, float]:
+    """One step of ``algo`` on ``batch``; returns the step's metrics (means over updates, maxima for ``*_max``)."""
+    if algo.is_offline:
+        from services.trainer.offline_step import offline_step
+
+        return offline_step(model, optimizer, algo, batch, version=version, optim=optim, temperature=temperature,
+                            generator=generator, schedule=schedule, reference=reference, sft_min_reward=sft_min_reward)
+    if algo.needs_critic and critic is None:
+        raise ValueError(f"algorithm {algo.config.preset or algo.config.objective!r} needs a critic")
+    if algo.needs_reference and reference is None:
+        raise ValueError(f"algorithm {algo.config.preset or algo.config.objective!r} needs a reference model")
     model.train()
-    prox = None
-    if algo.needs_prox_logp:
+    metrics = batch_metrics(batch, version)
+    report = algo.filter_groups_report(batch.rewards, batch.group_ids)
+    metrics.update(report.stats(), samples_kept=float(report.keep.sum()))
+    if not report.keep.all():
+        batch = batch.rows(torch.nonzero(report.keep).squeeze(-1))
+    if batch.size == 0:
+        return {**metrics, "updates": 0.0}
+    prox = frozen_logp(model, batch, temperature) if algo.needs_prox_logp else None
+    ref = reference.logp(batch, temperature) if reference is not None else None
+    if ref is not None:
+        start = prox if prox is not None else frozen_logp(model, batch, temperature)
+        metrics["kl_ref_k3"] = kl_to_reference(start, ref, batch.loss_mask)
+    old_values = critic.frozen_values(batch) if critic is not None else None
+    result = algo.compute_advantages(
+        batch.rewards, batch.group_ids, batch.loss_mask, values=old_values,
+        old_logp=prox if prox is not None else batch.behav_logp, ref_logp=ref, lengths=batch.lengths,
+        truncated=batch.truncated)
+    metrics["shaped_reward_mean"] = float(result.rewards.mean())
+    metrics["advantage_abs_mean"] = float(masked_mean(result.advantages.abs(), batch.loss_mask.bool()))
+    if result.kl_penalty is not None:
+        metrics["kl_reward_mean"] = float(masked_mean(result.kl_penalty, batch.loss_mask.bool()))
+    acc, skipped = StatsMean(), 0
+    for part in minibatches(batch.size, optim, generator):
+        mb = batch.rows(part)
+        logits = sequence_logits(model, mb)
+        logp = token_logp(logits, mb.input_ids[:, 1:], temperature)
         with torch.no_grad():
-            prox = policy_logp(model, batch, temperature)
-    keep = algo.filter_groups(batch.rewards, batch.group_ids)
-    advantages = algo.advantages(batch.rewards, batch.group_ids, batch.loss_mask)
-    rows = torch.nonzero(keep).squeeze(-1)
-    metrics: dict[str, float] = {"reward_mean": float(batch.rewards.mean()), "samples": float(batch.size),
-                                 "samples_kept": float(rows.numel()),
-                                 "completion_tokens_mean": float(batch.loss_mask.sum(-1).mean())}
-    sums: dict[str, float] = {}
-    updates = 0
-    for _ in range(optim.epochs):
-        order = rows[torch.randperm(rows.numel(), generator=generator)]
-        for part in torch.tensor_split(order, min(optim.minibatches, max(1, order.numel()))):
-            if part.numel() == 0:
-                continue
-            mb = batch.rows(part)
-            logits = sequence_logits(model, mb)
-            logp = token_logp(logits, mb.input_ids[:, 1:], temperature)
-            with torch.no_grad():
-                entropy = token_entropy(logits.detach(), temperature)
-            loss, stats = algo.policy_loss(
-                logp=logp, prox_logp=None if prox is None else prox[part], behav_logp=mb.behav_logp,
-                advantages=advantages[part], loss_mask=mb.loss_mask, versions=mb.versions, current_version=version,
-                entropy=entropy)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
-            optimizer.step()
-            if schedule is not None:
-                schedule.step()
-            stats["grad_norm"] = float(grad_norm)
-            stats["lr"] = optimizer.param_groups[0]["lr"]
-            for key, value in stats.items():
-                sums[key] = sums.get(key, 0.0) + value
-            updates += 1
-    metrics.update({k: v / max(updates, 1) for k, v in sums.items()})
-    metrics["updates"] = float(updates)
+            entropy = token_entropy(logits.detach(), temperature)
+        loss, stats = algo.policy_loss(
+            logp=logp, prox_logp=None if prox is None else prox[part], behav_logp=mb.behav_logp,
+            advantages=result.advantages[part], loss_mask=mb.loss_mask, versions=mb.versions,
+            current_version=version, entropy=entropy, ref_logp=None if ref is None else ref[part])
+        if not torch.isfinite(loss):  # never step on a NaN / inf loss
+            skipped += 1
+            continue
+        stats.update(apply_update(model, optimizer, loss, optim.grad_clip, schedule))
+        if critic is not None:
+            stats.update(critic.update(algo, mb, old_values[part], result.returns[part]))
+        acc.add(stats)
+    metrics.update(acc.result(), nonfinite_skipped=float(skipped))
     return metrics

@@ -71,14 +71,6 @@ class GatewayServer:
         self._thread.join(30)
         self.engine.stop()
 
-    def call(self, fn, *args):
-        """Run a plain function on the gateway's loop thread and return its result (to read gateway state safely)."""
-        done = threading.Event()
-        box: list = []
-        self._loop.call_soon_threadsafe(lambda: (box.append(fn(*args)), done.set()))
-        done.wait(10)
-        return box[0]
-
     # admin helpers -----------------------------------------------------------------------------------------
     def admin(self, method: str, path: str, headers: dict | None = None, **kwargs) -> httpx.Response:
         headers = {"Authorization": f"Bearer {ADMIN}", **(headers or {})}

@@ -176,3 +176,12 @@ def test_a_template_that_rejects_the_conversation_is_a_400_naming_messages():
     with pytest.raises(ApiError) as err:
         fmt.render([Message("system", "x"), Message("user", "y")], [])
     assert err.value.status == 400 and err.value.param == "messages" and "no system role" in err.value.message
+
+
+def test_the_development_admin_key_only_serves_loopback():
+    from services.rollout.gateway import GatewayConfig, serve_gateway
+    from services.rollout.gateway.config import DEV_ADMIN_KEY
+
+    config = GatewayConfig(host="0.0.0.0", admin_key=DEV_ADMIN_KEY)
+    with pytest.raises(ValueError, match="MESHRL_ADMIN_KEY"):
+        asyncio.run(serve_gateway(None, config, asyncio.Event()))

@@ -115,10 +115,12 @@ class Gateway:
                                   prefix_text=prompt.forced_text, new_call_id=lambda: call_prefix + uuid.uuid4().hex[:24])
                     for i in range(req.n)]
         version = self.backend.version
-        try:
-            sampled = self.backend.submit(prompt.ids, sampling, req.n)
-        except RuntimeError as exc:
-            raise ApiError(503, f"the engine is not accepting work: {exc}") from exc
+
+        def submit() -> list[Sampled]:
+            try:
+                return self.backend.submit(prompt.ids, sampling, req.n)
+            except RuntimeError as exc:
+                raise ApiError(503, f"the engine is not accepting work: {exc}") from exc
 
         def finalize(pairs: list[tuple[Sampled, ChoiceDecoder]]) -> Completion:
             choices = [d.result(*_lists(s), engine_finish=_finish_reason(s), stop_token_ids=self.fmt.stop_token_ids)
@@ -133,7 +135,7 @@ class Gateway:
                 self.replays.resolve(session.id, replay.key, token, completion)
             return completion
 
-        return LiveRun(completion_id, int(time.time()), prompt, sampled, decoders, stream=req.stream,
+        return LiveRun(completion_id, int(time.time()), prompt, submit, decoders, stream=req.stream,
                        poll_s=self.config.stream_interval_s, timeout_s=self.config.request_timeout_s,
                        finalize=finalize, on_exit=lambda: self._done(session, replay, token))
 

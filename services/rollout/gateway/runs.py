@@ -73,14 +73,18 @@ class ReplayRun(Run):
 
 
 class LiveRun(Run):
-    """Sequences in the engine. A background task drives them to the end even if the client goes away."""
+    """Sequences in the engine. A background task submits them and drives them to the end, even if the client
+    goes away. Submitting from that task, after the request handler has done its work, keeps the event loop
+    quiet (and off the GIL) while the engine thread computes."""
 
-    def __init__(self, completion_id: str, created: int, prompt: Prompt, sampled: list[Sampled],
+    def __init__(self, completion_id: str, created: int, prompt: Prompt, submit: Callable[[], list[Sampled]],
                  decoders: list[ChoiceDecoder], *, stream: bool, poll_s: float, timeout_s: float,
                  finalize: Callable[[list[tuple[Sampled, ChoiceDecoder]]], Completion],
                  on_exit: Callable[[], None]) -> None:
         super().__init__(completion_id, created, prompt)
-        self._pairs = list(zip(sampled, decoders, strict=True))
+        self._submit = submit
+        self._decoders = decoders
+        self._pairs: list[tuple[Sampled, ChoiceDecoder]] = []
         self._snapshots = stream or any(d.needs_snapshots for d in decoders)
         self._queue: asyncio.Queue | None = asyncio.Queue() if stream else None
         self._poll_s = poll_s
@@ -105,6 +109,7 @@ class LiveRun(Run):
 
     async def _drive(self) -> Completion:
         try:
+            self._pairs = list(zip(self._submit(), self._decoders, strict=True))
             while True:
                 waiting = [s.future for s, d in self._pairs if not d.finished and not s.done]
                 if waiting:

@@ -1,0 +1,40 @@
+"""The frozen reference policy for KL (reward penalty or loss term) and DPO: the initial checkpoint,
+never trained. With LoRA and no separate path it is the policy with its adapters switched off, so it
+costs no second copy of the weights."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from services.trainer.batching import PackedBatch
+from services.trainer.forward import frozen_logp
+from services.trainer.lora import is_lora
+
+
+@dataclasses.dataclass(kw_only=True)
+class ReferenceConfig:
+    model_path: str = ""   # empty: the policy's initial checkpoint
+    always: bool = False   # load one even when the algorithm needs none, to report the KL to it
+
+    def build(self, policy: torch.nn.Module, default_path: str) -> Reference:
+        if is_lora(policy) and not self.model_path:
+            return Reference(policy, adapters_off=True)
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(self.model_path or default_path, dtype=torch.float32)
+        return Reference(model.eval().requires_grad_(False))
+
+
+class Reference:
+    def __init__(self, model: torch.nn.Module, *, adapters_off: bool = False) -> None:
+        self.model = model
+        self.adapters_off = adapters_off
+
+    def logp(self, batch: PackedBatch, temperature: float) -> torch.Tensor:
+        """Per-token log-probs under the reference, float[B, L-1], no grad."""
+        if self.adapters_off:
+            with self.model.disable_adapter():
+                return frozen_logp(self.model, batch, temperature)
+        return frozen_logp(self.model, batch, temperature)

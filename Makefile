@@ -8,7 +8,7 @@ NAME    ?= seed$(SEED)
 ALGO    ?= grpo
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup run up down status test test-fast proto lint bench-weights clean
+.PHONY: setup run run-agent up down status test test-fast proto lint bench-weights bench-gateway clean
 
 setup: $(STAMP)
 
@@ -21,6 +21,9 @@ $(STAMP): requirements.txt pyproject.toml
 
 run: setup
 	$(PYTHON) -m launcher run --name $(NAME) --seed $(SEED) --algo $(ALGO)
+
+run-agent: setup
+	$(PYTHON) -m launcher run --config configs/agent.yaml --name agent-$(NAME) --seed $(SEED)
 
 up: setup
 	$(PYTHON) -m launcher up --seed $(SEED) --algo $(ALGO)
@@ -45,6 +48,9 @@ lint: setup
 
 bench-weights: setup
 	$(PYTHON) -m bench.weights
+
+bench-gateway: setup
+	$(PYTHON) -m bench.gateway
 
 clean:
 	rm -rf runs artifacts .stack

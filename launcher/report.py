@@ -123,6 +123,9 @@ def write_report(stack, events: EventLog, run_dir: pathlib.Path, *, plan: dict, 
         "final_checkpoint": next((c["checkpoint_path"] for c in reversed(events.of("checkpoint"))), None),
         "status": status,
     }
+    if plan.get("agents"):
+        summary["agent_reward_curve"] = [{"version": r["version"], "reward_mean": r.get("reward_mean", 0.0)}
+                                         for r in trained]
     if trained or evals:
         plot(events, run_dir / "reward_accuracy.png", title=f"meshrl: asynchronous {algo}, eta={summary['eta']}")
     return summary

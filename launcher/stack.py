@@ -15,19 +15,21 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from launcher.agents import AgentDriver
 from launcher.processes import NatsServer, free_port
 from launcher.report import EventLog, write_report
 from launcher.watch import watch_run
+from services.rollout.gateway.config import DEV_ADMIN_KEY
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SERVICES = ("weight_exchange", "reward", "builder", "trainer", "rollout")
 DEFAULT_PORTS = {"rollout": 50051, "reward": 50052, "builder": 50053, "trainer": 50054, "weight_exchange": 50055,
-                 "nats": 4222}
+                 "nats": 4222, "gateway": 8000}
 STATE_FILE = ROOT / ".stack" / "state.json"
 
 
 def random_ports() -> dict[str, int]:
-    return {name: free_port() for name in (*SERVICES, "nats")}
+    return {name: free_port() for name in (*SERVICES, "nats", "gateway")}
 
 
 def ensure_model(name: str, seed: int) -> pathlib.Path:
@@ -63,12 +65,17 @@ class Stack:
             if service in ("builder", "reward", "trainer"):
                 cfg["model_path"] = str(model_path)
             if service == "rollout":
+                cfg.setdefault("gateway", {})["port"] = self.ports["gateway"]
                 cfg.setdefault("engine", {})["model_path"] = str(model_path)
                 cfg["engine"]["seed"] = seed
             if service in ("builder", "trainer"):
                 cfg["seed"] = seed
-            if service == "trainer" and algo:
+            if service == "trainer" and algo and algo != cfg.get("algo"):
                 cfg["algo"] = algo
+                cfg.pop("algo_overrides", None)  # they were chosen for the profile's preset
+            if service == "trainer":
+                sampling = plan["services"]["builder"].get("sampling", {})
+                cfg.setdefault("max_new_tokens", sampling.get("max_new_tokens", 8))
             if service == "trainer":
                 cfg.setdefault("total_steps", plan["services"]["builder"].get("total_steps", 0))
             config_file = self.run_dir / "config" / f"{service}.yaml"
@@ -137,17 +144,24 @@ def run(config: str, *, name: str, seed: int = 0, algo: str = "", ports: dict[st
     events = EventLog(run_dir / "metrics.jsonl")
     started = time.time()
     summary: dict = {"completed": False}
+    agents: AgentDriver | None = None
     try:
         stack.start(plan, seed=seed, model_path=model_path, algo=algo)
         stack.wait_healthy()
         if on_healthy is not None:
             on_healthy(stack)
+        if plan.get("agents"):
+            agents = AgentDriver(plan["agents"], plan.get("agent_args", []), log_path=run_dir / "logs" / "agents.log",
+                                 gateway_url=f"http://127.0.0.1:{stack.ports['gateway']}")
+            agents.start()
         total = int(plan["services"]["builder"].get("total_steps", 0))
         completed = asyncio.run(watch_run(stack, events, total_steps=total, timeout=float(plan.get("timeout_seconds", 900)),
                                           progress=progress))
         summary = write_report(stack, events, run_dir, plan=plan, seed=seed, algo=algo or plan["services"].get(
             "trainer", {}).get("algo", "grpo"), wall_seconds=time.time() - started, completed=completed)
     finally:
+        if agents is not None:
+            agents.stop()
         codes = stack.stop()
         summary["exit_codes"] = codes
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -164,6 +178,9 @@ def up(config: str, *, seed: int = 0, algo: str = "") -> None:
     trainer = plan["services"].setdefault("trainer", {})
     trainer["total_steps"] = 0
     trainer.setdefault("optim", {})["schedule"] = "constant"  # an unbounded run has no end to decay to
+    rollout = plan["services"].setdefault("rollout", {})
+    rollout["gateway_enabled"] = True
+    rollout.setdefault("engine", {})["max_context"] = 2048  # agent prompts with tools are long in characters
     model_path = ensure_model(plan.get("model", "tiny-qwen3"), seed)
     stack = Stack(ROOT / "runs" / "up", DEFAULT_PORTS)
     stack.nats.detach = True
@@ -174,6 +191,9 @@ def up(config: str, *, seed: int = 0, algo: str = "") -> None:
     stack.wait_healthy()
     print("meshrl is up: " + ", ".join(f"{s} 127.0.0.1:{DEFAULT_PORTS[s]}" for s in SERVICES)
           + f"; nats://127.0.0.1:{DEFAULT_PORTS['nats']}; logs in runs/up/logs")
+    admin_key = os.environ.get("MESHRL_ADMIN_KEY")
+    print("agent gateway: http://127.0.0.1:8000/v1 (OpenAI), http://127.0.0.1:8000 (Anthropic); admin key: "
+          + ("$MESHRL_ADMIN_KEY" if admin_key else f"{DEV_ADMIN_KEY} (development default; set MESHRL_ADMIN_KEY)"))
 
 
 def down() -> None:

@@ -114,7 +114,7 @@ class Builder:
             work = make_work(task, work_id=work_id, group_id=work_id, group_size=1, encode=self.encode,
                              sampling=self.eval_sampling, version=version, split="eval", issued_at=now(),
                              extra={"eval_round": rnd.round_id})
-            await self.bus.publish(SUBJECT_PROMPTS, work, f"{work_id}-{self.config.seed}-{id(self)}")
+            await self.bus.publish(SUBJECT_PROMPTS, work, work_id)
         self.log.info("eval_issued", round=rnd.round_id, version=version, final=final, n=rnd.expected)
         return rnd
 
@@ -183,17 +183,23 @@ class Builder:
             event_id=f"eval-{rnd.round_id}", version=rnd.version, kind=data_pb2.VERSION_KIND_EVAL, at=now(),
             metrics={"accuracy": rnd.accuracy, "n": float(len(rnd.rewards)), "final": float(rnd.final),
                      "min_token_version": float(versions[0]), "max_token_version": float(versions[-1])})
-        await self.bus.publish(SUBJECT_VERSIONS, event, f"{event.event_id}-{id(self)}")
+        await self.bus.publish(SUBJECT_VERSIONS, event, event.event_id)
         self.log.info("eval_done", round=rnd.round_id, version=rnd.version, accuracy=rnd.accuracy, final=rnd.final)
         if rnd.final:
-            end = data_pb2.VersionEvent(event_id="run-end", version=rnd.version, kind=data_pb2.VERSION_KIND_RUN_END,
-                                        at=now(), metrics={"eval_accuracy": rnd.accuracy})
-            await self.bus.publish(SUBJECT_VERSIONS, end, f"run-end-{id(self)}")
-            self.finished.set()
+            await self._publish_run_end(rnd.version, {"eval_accuracy": rnd.accuracy})
+
+    async def _publish_run_end(self, version: int, metrics: dict[str, float]) -> None:
+        end = data_pb2.VersionEvent(event_id="run-end", version=version, kind=data_pb2.VERSION_KIND_RUN_END,
+                                    at=now(), metrics=metrics)
+        await self.bus.publish(SUBJECT_VERSIONS, end, end.event_id)
+        self.finished.set()
 
     async def handle_version(self, event: data_pb2.VersionEvent) -> None:
         if event.kind == data_pb2.VERSION_KIND_TRAINED:
             self.budget.on_version(event.version)
+            total = self.config.total_steps
+            if self.config.source == "online" and total and event.version >= total and not self.finished.is_set():
+                await self._publish_run_end(event.version, {})
         elif event.kind == data_pb2.VERSION_KIND_DEPLOYED:
             self.deployed_version = max(self.deployed_version, event.version)
         self.changed.set()

@@ -6,6 +6,7 @@ import dataclasses
 
 from services.common.config import ServiceConfig
 from services.rollout.engines.torch_engine import EngineConfig
+from services.rollout.gateway.config import GatewayConfig
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -15,6 +16,8 @@ class RolloutConfig(ServiceConfig):
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     concurrency: int = 64  # prompt-work messages generated at once
     wx_address: str = "127.0.0.1:50055"  # weight_exchange; empty: no weight updates
+    gateway_enabled: bool = False  # serve the OpenAI / Anthropic agent gateway (make up turns it on)
+    gateway: GatewayConfig = dataclasses.field(default_factory=GatewayConfig)
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:

@@ -7,7 +7,7 @@ import asyncio
 import grpc
 import prometheus_client
 
-from services.common.bus import SUBJECT_PROMPTS, SUBJECT_TRAJ_RAW, Bus, consume, decoder
+from services.common.bus import SUBJECT_PROMPTS, SUBJECT_TRAJ_RAW, SUBJECT_TRAJ_SCORED, Bus, consume, decoder
 from services.common.contracts import common_pb2, data_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common.logging import get_logger
 from services.common.rpc import Servicer, bound_address, call_until_ok, invalid_argument, start_server
@@ -108,6 +108,8 @@ async def serve(config: RolloutConfig, stop: asyncio.Event) -> None:
     rollout.log.info("serving", grpc=address, subject=SUBJECT_PROMPTS, version=engine.version)
     tasks = [asyncio.create_task(consume(bus, "rollout", decoder(data_pb2.PromptWork), rollout.handle_work, stop,
                                          concurrency=config.concurrency, gate=rollout.pull_gate))]
+    if config.gateway_enabled:
+        tasks.append(asyncio.create_task(_serve_gateway(config, engine, bus, stop), name="gateway"))
     if receiver is not None:
         tasks.append(asyncio.create_task(call_until_ok(lambda: receiver.register(agent_address=address), stop,
                                                        what="weight_exchange")))
@@ -129,3 +131,17 @@ def _weight_receiver(config: RolloutConfig, engine: EmbeddedEngine):
 
     return ReceiverAgent(rank_id=config.rank_id, params=engine.named_parameters(), wx_address=config.wx_address,
                          token=config.auth_token, on_pause=engine.pause_async, on_resume=engine.resume_async)
+
+
+async def _serve_gateway(config: RolloutConfig, engine: EmbeddedEngine, bus: Bus, stop: asyncio.Event) -> None:
+    """Agents' trajectories carry the reward they reported: they go straight to traj.scored."""
+    from transformers import AutoTokenizer
+
+    from services.rollout.gateway import create_app, serve_gateway
+
+    tokenizer = AutoTokenizer.from_pretrained(config.engine.model_path)
+
+    async def publish(traj: data_pb2.Trajectory) -> None:
+        await bus.publish(SUBJECT_TRAJ_SCORED, traj, traj.trajectory_id)
+
+    await serve_gateway(create_app(config.gateway, engine, tokenizer, publish), config.gateway, stop)

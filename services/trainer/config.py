@@ -37,7 +37,7 @@ class TrainerConfig(ServiceConfig):
     torch_threads: int = 1
     wx_address: str = "127.0.0.1:50055"                 # weight_exchange; empty: no weight sync
     weight_transport: str = "shm"
-    sync_timeout: float = 120.0
+    sync_timeout: float = 200.0                         # > weight_exchange transfer + control timeouts
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:

@@ -78,10 +78,12 @@ class Trainer:
                 BATCH_STALENESS.labels(key.removeprefix("staleness_hist_")).set(value)
             else:
                 STEP_METRICS.labels(key).set(value)
-        await self.sync_weights(metrics)
+        # announce first: the builder admits the next work while the weights move, so generation
+        # in flight is what the update interrupts
         event = data_pb2.VersionEvent(event_id=f"trained-{self.version}", version=self.version,
                                       kind=data_pb2.VERSION_KIND_TRAINED, at=now(), metrics=metrics)
         await self.bus.publish(SUBJECT_VERSIONS, event, event.event_id)
+        await self.sync_weights(metrics)
         self._append_metrics(metrics)
         self.log.info("step", version=self.version, reward=round(metrics["reward_mean"], 3),
                       loss=round(metrics.get("loss", 0.0), 4), staleness=int(max(staleness)))

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from services.common.bus import (SUBJECT_TRAJ_RAW, Bus, InvalidMessage, consume, decoder)
+from services.common.bus import SUBJECT_TRAJ_RAW, Bus, InvalidMessage, consume, decoder
 from services.common.contracts import data_pb2
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -7,15 +7,13 @@ The Anthropic client sends the session key as `x-api-key`; `base_url` is the gat
 
 from __future__ import annotations
 
-import json
-import random
 import sys
 from pathlib import Path
 
 from anthropic import Anthropic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SYSTEM, arguments, finish, reward, run_tool, start_sessions, task  # noqa: E402
+from common import SYSTEM, arguments, play, run_tool  # noqa: E402
 
 TOOLS = [{"name": "calculator", "description": "Evaluate an arithmetic expression with + - * / and parentheses.",
           "input_schema": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}]
@@ -38,21 +36,7 @@ def episode(client: Anthropic, model: str, question: str, max_turns: int, max_to
 
 def main() -> None:
     args = arguments(__doc__)
-    rng = random.Random(args.seed)
-    rewards: list[float] = []
-    done = 0
-    while done < args.episodes:
-        task_id, question, expected = task(rng)
-        for key in start_sessions(args, task_id):
-            client = Anthropic(base_url=args.base_url, api_key=key, max_retries=5)
-            answer, turns, tools = episode(client, args.model, question, args.max_turns, args.max_tokens)
-            value = reward(answer, expected)
-            ended = finish(args, key, value)
-            rewards.append(value)
-            done += 1
-            print(json.dumps({"episode": done, "task_id": task_id, "turns": turns, "tool_calls": tools, "reward": value,
-                              "mean_reward_last_20": sum(rewards[-20:]) / len(rewards[-20:]),
-                              "trajectories": ended.get("trajectories")}), flush=True)
+    play(args, lambda key: Anthropic(base_url=args.base_url, api_key=key, max_retries=5), episode)
 
 
 if __name__ == "__main__":

@@ -100,3 +100,21 @@ def start_sessions(args: argparse.Namespace, task_id: str) -> list[str]:
 def finish(args: argparse.Namespace, key: str, value: float) -> dict:
     post(args.base_url, "/rl/set_reward", key, {"reward": value})
     return post(args.base_url, "/rl/end_session", key, {})
+
+
+def play(args: argparse.Namespace, make_client, episode) -> None:
+    """Run `args.episodes` episodes: a session per group member, the agent's turns, the reward, one JSON line each."""
+    rng = random.Random(args.seed)
+    rewards: list[float] = []
+    done = 0
+    while done < args.episodes:
+        task_id, question, expected = task(rng)
+        for key in start_sessions(args, task_id):
+            answer, turns, tools = episode(make_client(key), args.model, question, args.max_turns, args.max_tokens)
+            value = reward(answer, expected)
+            ended = finish(args, key, value)
+            rewards.append(value)
+            done += 1
+            print(json.dumps({"episode": done, "task_id": task_id, "turns": turns, "tool_calls": tools, "reward": value,
+                              "mean_reward_last_20": sum(rewards[-20:]) / len(rewards[-20:]),
+                              "trajectories": ended.get("trajectories")}), flush=True)

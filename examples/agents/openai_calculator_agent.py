@@ -9,14 +9,13 @@ gateway and `api_key` is a session key. After each episode it reports its reward
 from __future__ import annotations
 
 import json
-import random
 import sys
 from pathlib import Path
 
 from openai import OpenAI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SYSTEM, arguments, finish, reward, run_tool, start_sessions, task  # noqa: E402
+from common import SYSTEM, arguments, play, run_tool  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression with + - * / and parentheses.",
@@ -45,21 +44,7 @@ def episode(client: OpenAI, model: str, question: str, max_turns: int, max_token
 
 def main() -> None:
     args = arguments(__doc__)
-    rng = random.Random(args.seed)
-    rewards: list[float] = []
-    done = 0
-    while done < args.episodes:
-        task_id, question, expected = task(rng)
-        for key in start_sessions(args, task_id):
-            client = OpenAI(base_url=args.base_url.rstrip("/") + "/v1", api_key=key, max_retries=5)
-            answer, turns, tools = episode(client, args.model, question, args.max_turns, args.max_tokens)
-            value = reward(answer, expected)
-            ended = finish(args, key, value)
-            rewards.append(value)
-            done += 1
-            print(json.dumps({"episode": done, "task_id": task_id, "turns": turns, "tool_calls": tools, "reward": value,
-                              "mean_reward_last_20": sum(rewards[-20:]) / len(rewards[-20:]),
-                              "trajectories": ended.get("trajectories")}), flush=True)
+    play(args, lambda key: OpenAI(base_url=args.base_url.rstrip("/") + "/v1", api_key=key, max_retries=5), episode)
 
 
 if __name__ == "__main__":

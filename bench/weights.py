@@ -17,6 +17,7 @@ import importlib.util
 import json
 import os
 
+from services.common.logging import configure_logging
 from services.weight_exchange.bench.runner import Case, run_case
 from services.weight_exchange.bench.simulate import SCENARIOS, simulate
 
@@ -50,6 +51,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny model, one round (smoke test)")
     ap.add_argument("--no-simulate", action="store_true")
     a = ap.parse_args()
+    configure_logging("bench", "warning")  # stdout carries only the JSON lines; logs go to stderr
     asyncio.run(measure(a.quick))
     if not a.no_simulate:
         for model, src, dst in SCENARIOS[:1] if a.quick else SCENARIOS:

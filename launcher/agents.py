@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 class AgentDriver:
-    """Runs the configured agent scripts one after another, round robin, until stopped."""
+    """Runs every configured agent script at once, each in a loop of fresh processes, until stopped."""
 
     def __init__(self, scripts: list[str], args: list[str], *, gateway_url: str, log_path: pathlib.Path) -> None:
         self.scripts = [ROOT / "examples" / "agents" / s for s in scripts]
@@ -22,29 +22,34 @@ class AgentDriver:
         self.log_path = log_path
         self.episodes_run = 0
         self._stop = threading.Event()
-        self._proc: subprocess.Popen | None = None
-        self._thread = threading.Thread(target=self._loop, name="agents", daemon=True)
+        self._procs: dict[int, subprocess.Popen] = {}
+        self._threads = [threading.Thread(target=self._loop, args=(i, script), name=f"agent-{i}", daemon=True)
+                         for i, script in enumerate(self.scripts)]
 
     def start(self) -> None:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
 
-    def _loop(self) -> None:
+    def _loop(self, index: int, script: pathlib.Path) -> None:
         with open(self.log_path, "ab") as log:
-            for seed, script in zip(itertools.count(), itertools.cycle(self.scripts)):
+            for run in itertools.count():
                 if self._stop.is_set():
                     return
-                self._proc = subprocess.Popen(
+                seed = run * len(self.scripts) + index  # every process plays different tasks
+                self._procs[index] = subprocess.Popen(
                     [sys.executable, str(script), "--base-url", self.gateway_url, "--seed", str(seed), *self.args],
                     cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-                self._proc.wait()
+                self._procs[index].wait()
                 self.episodes_run += 1
 
     def stop(self) -> None:
         self._stop.set()
-        if self._proc and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-        self._thread.join(timeout=15)
+        for proc in list(self._procs.values()):
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        for thread in self._threads:
+            thread.join(timeout=15)

@@ -32,13 +32,19 @@ def random_ports() -> dict[str, int]:
     return {name: free_port() for name in (*SERVICES, "nats", "gateway")}
 
 
+# name -> scripts/bootstrap_model.py flags; the agents' model starts higher so sampled groups carry signal
+MODELS = {"tiny-qwen3": [], "tiny-qwen3-chat": ["--chat", "--band", "0.3", "0.45"]}
+
+
 def ensure_model(name: str, seed: int) -> pathlib.Path:
     """The SFT-warm-started tiny model for this seed, built locally once and cached."""
+    if name not in MODELS:
+        raise ValueError(f"model: unknown {name!r} (known: {', '.join(MODELS)})")
     path = ROOT / "artifacts" / "models" / f"{name}-seed{seed}"
     if not (path / "model.safetensors").exists():
         print(f"building {path.relative_to(ROOT)} (tokenizer, model, SFT warm start)...", file=sys.stderr)
         subprocess.run([sys.executable, str(ROOT / "scripts" / "bootstrap_model.py"), "--out", str(path),
-                        "--seed", str(seed)], check=True, cwd=ROOT)
+                        "--seed", str(seed), *MODELS[name]], check=True, cwd=ROOT)
     return path
 
 

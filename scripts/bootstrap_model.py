@@ -49,8 +49,25 @@ def is_correct(completion: str, reference: str) -> bool:
     return bool(math_verify.verify(math_verify.parse(reference), math_verify.parse(extracted)))
 
 
+# "raw": the prompt is the problem text ("12+30="), the completion ends with EOS (the main job).
+# "chat": the problem is a user message rendered with the chat template and the completion ends with the
+# template's end of turn, so the model answers through the agent gateway (make run-agent).
+PROMPT_STYLE = "raw"
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    if PROMPT_STYLE == "chat":
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                             add_generation_prompt=True, return_dict=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def end_of_completion(tokenizer) -> int:
+    return tokenizer.convert_tokens_to_ids("<|im_end|>") if PROMPT_STYLE == "chat" else tokenizer.eos_token_id
+
+
 def encode_prompts(tokenizer, tasks: list[Task]) -> list[list[int]]:
-    return [tokenizer.encode(t.prompt, add_special_tokens=False) for t in tasks]
+    return [encode_prompt(tokenizer, t.prompt) for t in tasks]
 
 
 def sft_batch(tokenizer, tasks: list[Task]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -58,8 +75,8 @@ def sft_batch(tokenizer, tasks: list[Task]) -> tuple[torch.Tensor, torch.Tensor,
     eos = tokenizer.eos_token_id
     seqs, labels = [], []
     for t in tasks:
-        p = tokenizer.encode(t.prompt, add_special_tokens=False)
-        c = tokenizer.encode(demonstration(t), add_special_tokens=False) + [eos]
+        p = encode_prompt(tokenizer, t.prompt)
+        c = tokenizer.encode(demonstration(t), add_special_tokens=False) + [end_of_completion(tokenizer)]
         seqs.append(p + c)
         labels.append([-100] * len(p) + c)
     width = max(len(s) for s in seqs)
@@ -112,7 +129,7 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
             if not done[i]:
                 comp[i].append(int(tok[i]))
                 lps[i].append(float(tok_lp[i]))
-        done |= tok == eos
+        done |= (tok == eos) | (tok == end_of_completion(tokenizer))
         if bool(done.all()):
             break
         mask = torch.cat([mask, torch.ones((b, 1), dtype=torch.long)], dim=-1)
@@ -203,7 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-steps", type=int, default=SFT_MAX_STEPS)
     ap.add_argument("--lr", type=float, default=SFT_LR)
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--chat", action="store_true", help="train and evaluate through the chat template (agents)")
     args = ap.parse_args(argv)
+    global PROMPT_STYLE
+    PROMPT_STYLE = "chat" if args.chat else "raw"
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     tokenizer, model = build(args.seed)
@@ -211,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = sft(model, tokenizer, args.seed, lr=args.lr, max_steps=args.max_steps, band=tuple(args.band), log=log)
     save(model, tokenizer, args.out)
     print(json.dumps({
-        "out": str(args.out), "seed": args.seed, "heldout_acc": summary["heldout_acc"],
+        "out": str(args.out), "seed": args.seed, "prompt_style": PROMPT_STYLE, "heldout_acc": summary["heldout_acc"],
         "sft_steps": summary["sft_steps"], "sft_loss": summary["sft_loss"],
         "params": sum(p.numel() for p in model.parameters()), "vocab_size": model.config.vocab_size,
         "seconds": round(time.perf_counter() - t0, 2),

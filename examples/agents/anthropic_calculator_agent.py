@@ -19,11 +19,13 @@ TOOLS = [{"name": "calculator", "description": "Evaluate an arithmetic expressio
           "input_schema": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}]
 
 
-def episode(client: Anthropic, model: str, question: str, max_turns: int, max_tokens: int) -> tuple[str, int, int]:
+def episode(client: Anthropic, model: str, question: str, max_turns: int, max_tokens: int, *,
+            system: str | None = SYSTEM, use_tools: bool = True) -> tuple[str, int, int]:
     messages: list[dict] = [{"role": "user", "content": question}]
+    options = {**({"system": system} if system else {}), **({"tools": TOOLS} if use_tools else {})}
     calls = 0
     for turn in range(1, max_turns + 1):
-        reply = client.messages.create(model=model, system=SYSTEM, messages=messages, tools=TOOLS, max_tokens=max_tokens)
+        reply = client.messages.create(model=model, messages=messages, max_tokens=max_tokens, **options)
         messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]})
         uses = [b for b in reply.content if b.type == "tool_use"]
         if not uses:

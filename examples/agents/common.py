@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import json
 import operator
 import os
 import random
 import re
 import urllib.request
+from collections.abc import Callable
 
 DEV_ADMIN_KEY = "meshrl-dev-admin-key"
 SYSTEM = ("You are a careful arithmetic assistant. Use the calculator tool for every computation, then reply with "
@@ -36,6 +38,9 @@ def arguments(description: str) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="meshrl-policy")
+    p.add_argument("--task", choices=sorted(TASKS), default="calculator",
+                   help="calculator: multi-turn with the calculator tool; addition: 'a+b=' answered directly "
+                        "(what the tiny model trained by `make run-agent` can learn)")
     return p.parse_args()
 
 
@@ -44,6 +49,21 @@ def task(rng: random.Random) -> tuple[str, str, float]:
     op = rng.choice(["+", "-", "*"])
     expression = f"({a} {op} {b}) * {c}"
     return f"task-{a}{op}{b}x{c}", f"What is ({a} {op} {b}) * {c}?", calculate(expression)
+
+
+def addition_task(rng: random.Random) -> tuple[str, str, float]:
+    a, b = rng.randint(0, 99), rng.randint(0, 99)
+    return f"add-{a}-{b}", f"{a}+{b}=", float(a + b)
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSpec:
+    make: Callable[[random.Random], tuple[str, str, float]]
+    system: str | None   # system prompt
+    tools: bool          # offer the calculator tool
+
+
+TASKS = {"calculator": TaskSpec(task, SYSTEM, True), "addition": TaskSpec(addition_task, None, False)}
 
 
 def calculate(expression: str) -> float:
@@ -105,12 +125,14 @@ def finish(args: argparse.Namespace, key: str, value: float) -> dict:
 def play(args: argparse.Namespace, make_client, episode) -> None:
     """Run `args.episodes` episodes: a session per group member, the agent's turns, the reward, one JSON line each."""
     rng = random.Random(args.seed)
+    spec = TASKS[args.task]
     rewards: list[float] = []
     done = 0
     while done < args.episodes:
-        task_id, question, expected = task(rng)
+        task_id, question, expected = spec.make(rng)
         for key in start_sessions(args, task_id):
-            answer, turns, tools = episode(make_client(key), args.model, question, args.max_turns, args.max_tokens)
+            answer, turns, tools = episode(make_client(key), args.model, question, args.max_turns, args.max_tokens,
+                                           system=spec.system, use_tools=spec.tools)
             value = reward(answer, expected)
             ended = finish(args, key, value)
             rewards.append(value)

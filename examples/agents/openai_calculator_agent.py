@@ -22,13 +22,16 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
 
 
-def episode(client: OpenAI, model: str, question: str, max_turns: int, max_tokens: int) -> tuple[str, int, int]:
+def episode(client: OpenAI, model: str, question: str, max_turns: int, max_tokens: int, *,
+            system: str | None = SYSTEM, use_tools: bool = True) -> tuple[str, int, int]:
     """Returns (final answer text, model calls, tool calls)."""
-    messages: list[dict] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    messages: list[dict] = [*([{"role": "system", "content": system}] if system else []),
+                            {"role": "user", "content": question}]
+    options = {"tools": TOOLS} if use_tools else {}
     calls = 0
     for turn in range(1, max_turns + 1):
-        message = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,
-                                                 max_tokens=max_tokens).choices[0].message
+        message = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+                                                 **options).choices[0].message
         messages.append(message.model_dump(exclude_none=True))  # sent back verbatim: the gateway reuses its tokens
         if not message.tool_calls:
             return message.content or "", turn, calls

@@ -154,7 +154,7 @@ class StubEngine:
     def __init__(self, reply: list[int]) -> None:
         self.reply = reply
 
-    def submit(self, prompt_ids, sampling, on_finish):
+    def submit(self, prompt_ids, sampling, on_finish, *, priority=False):
         from services.rollout.engines.sequence import Sequence
 
         seq = Sequence(prompt_ids=list(prompt_ids), sampling=sampling, output_ids=list(self.reply),

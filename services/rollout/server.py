@@ -88,7 +88,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         e = self.r.engine
         return rollout_pb2.RolloutStatus(
             policy_version=e.version, paused=self._paused_by_rpc or e.paused, running_sequences=len(e.scheduler.running),
-            waiting_sequences=len(e.scheduler.waiting), trajectories_published=self.r.published,
+            waiting_sequences=e.scheduler.num_waiting, trajectories_published=self.r.published,
             tokens_generated=e.stats.tokens_generated, weight_updates=e.stats.weight_updates,
             interrupted_sequences=e.stats.interrupted_sequences, engine="embedded")
 

@@ -26,7 +26,7 @@ class RecordingEngine(EmbeddedEngine):
         super().__init__(*args, **kwargs)
         self.submitted: list = []
 
-    def submit(self, prompt_ids, sampling, on_finish):
+    def submit(self, prompt_ids, sampling, on_finish, *, priority=False):
         seq = super().submit(prompt_ids, sampling, on_finish)
         self.submitted.append(seq)
         return seq

@@ -21,20 +21,25 @@ class Scheduler:
         self.max_context = max_context
         self.refill_slots = max(1, int(max_batch * refill_fraction))
         self.waiting: collections.deque[Sequence] = collections.deque()
+        self.urgent: collections.deque[Sequence] = collections.deque()  # priority sequences, served first
         self.batch: list[Sequence] = []  # rows of the current KV cache, finished ones included
         self.stale = True
 
     def add(self, seq: Sequence) -> None:
         if len(seq.prompt_ids) >= self.max_context:
             raise ValueError(f"prompt_ids: {len(seq.prompt_ids)} tokens, the engine holds at most {self.max_context - 1}")
-        self.waiting.append(seq)
+        (self.urgent if seq.priority else self.waiting).append(seq)
 
     @property
     def running(self) -> list[Sequence]:
         return [s for s in self.batch if s.status is Status.RUNNING]
 
+    @property
+    def num_waiting(self) -> int:
+        return len(self.urgent) + len(self.waiting)
+
     def has_work(self) -> bool:
-        return bool(self.waiting) or any(s.status is Status.RUNNING for s in self.batch)
+        return bool(self.num_waiting) or any(s.status is Status.RUNNING for s in self.batch)
 
     def invalidate(self) -> None:
         """The weights changed: the next step must rebuild the KV cache."""
@@ -45,10 +50,10 @@ class Scheduler:
         running = self.running
         free = self.max_batch - len(running)
         finished_rows = len(self.batch) - len(running)
-        admit = self.waiting and (free >= self.refill_slots or not running)
+        admit = (self.urgent and free > 0) or (self.waiting and (free >= self.refill_slots or not running))
         if self.stale or admit or (finished_rows and finished_rows * 2 >= len(self.batch)):
-            while self.waiting and len(running) < self.max_batch:
-                seq = self.waiting.popleft()
+            while self.num_waiting and len(running) < self.max_batch:
+                seq = (self.urgent or self.waiting).popleft()
                 seq.status = Status.RUNNING
                 running.append(seq)
             self.batch = running
@@ -81,7 +86,8 @@ class Scheduler:
         return ""
 
     def abort_all(self) -> list[Sequence]:
-        aborted = list(self.waiting) + self.running
+        aborted = list(self.urgent) + list(self.waiting) + self.running
+        self.urgent.clear()
         self.waiting.clear()
         for seq in aborted:
             seq.status = Status.FINISHED

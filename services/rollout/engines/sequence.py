@@ -40,6 +40,7 @@ class Sequence:
     prompt_ids: list[int]
     sampling: Sampling
     on_finish: Callable[[Sequence], None] | None = None
+    priority: bool = False  # interactive (agent gateway) requests go ahead of queued rollout work
     seq_id: int = dataclasses.field(default_factory=lambda: next(_ids))
     output_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)

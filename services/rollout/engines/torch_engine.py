@@ -83,8 +83,8 @@ class EmbeddedEngine:
         return dict(self.model.named_parameters())
 
     # submission ----------------------------------------------------------------------------------------
-    def submit(self, prompt_ids: list[int], sampling: Sampling, on_finish) -> Sequence:
-        seq = Sequence(prompt_ids=list(prompt_ids), sampling=sampling, on_finish=on_finish)
+    def submit(self, prompt_ids: list[int], sampling: Sampling, on_finish, *, priority: bool = False) -> Sequence:
+        seq = Sequence(prompt_ids=list(prompt_ids), sampling=sampling, on_finish=on_finish, priority=priority)
         with self._cv:
             if self._stopped:
                 raise RuntimeError("engine stopped")

@@ -75,7 +75,8 @@ class EngineBackend:
         for _ in range(n):
             fut = loop.create_future()
             if hasattr(self.engine, "submit"):
-                seq = self.engine.submit(prompt_ids, sampling, lambda s, f=fut: loop.call_soon_threadsafe(_resolve, f, s))
+                seq = self.engine.submit(prompt_ids, sampling, lambda s, f=fut: loop.call_soon_threadsafe(_resolve, f, s),
+                                         priority=True)  # an agent waits on it: ahead of queued rollout work
                 out.append(Sampled(fut, seq))
             else:  # an engine with only `generate`: no snapshots, the text arrives when the sequence is done
                 task = asyncio.ensure_future(self.engine.generate(prompt_ids, sampling, 1))

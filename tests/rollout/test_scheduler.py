@@ -1,0 +1,78 @@
+"""The pure scheduler: batch formation, refills, finishing, priority requests, aborts."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.rollout.engines.scheduler import Scheduler
+from services.rollout.engines.sequence import Sampling, Sequence, Status
+
+EOS = 1
+
+
+def seq(prompt=(5, 6), *, priority=False, max_new_tokens=4) -> Sequence:
+    return Sequence(prompt_ids=list(prompt), sampling=Sampling(max_new_tokens=max_new_tokens), priority=priority)
+
+
+def test_first_schedule_prefills_then_decodes():
+    s = Scheduler(max_batch=4, eos_token_id=EOS, max_context=64)
+    a, b = seq(), seq()
+    s.add(a)
+    s.add(b)
+    rows, rebuild = s.schedule()
+    assert rows == [a, b] and rebuild and a.status is Status.RUNNING
+    s.postprocess(rows, [7, 8], [-0.1, -0.2], version=0)
+    rows, rebuild = s.schedule()
+    assert rows == [a, b] and not rebuild
+
+
+def test_tokens_finish_on_eos_stop_ids_and_length():
+    s = Scheduler(max_batch=4, eos_token_id=EOS, max_context=64)
+    a, b = seq(max_new_tokens=2), seq()
+    c = Sequence(prompt_ids=[5], sampling=Sampling(max_new_tokens=5, stop_token_ids=(9,)))
+    for x in (a, b, c):
+        s.add(x)
+    rows, _ = s.schedule()
+    assert s.postprocess(rows, [7, EOS, 9], [0.0] * 3, version=3) == [b, c]
+    assert (b.finish_reason, c.finish_reason) == ("stop", "stop")
+    assert s.postprocess(rows, [7, 7, 7], [0.0] * 3, version=4) == [a]
+    assert a.finish_reason == "length" and a.versions == [3, 4] and b.output_ids == [EOS]
+
+
+def test_weight_update_forces_a_rebuild():
+    s = Scheduler(max_batch=2, eos_token_id=EOS, max_context=64)
+    s.add(seq())
+    rows, _ = s.schedule()
+    s.postprocess(rows, [7], [0.0], version=0)
+    s.invalidate()
+    assert s.schedule() == (rows, True)
+
+
+def test_priority_requests_go_first_and_enter_a_full_queue_at_the_first_free_slot():
+    s = Scheduler(max_batch=4, eos_token_id=EOS, max_context=64, refill_fraction=0.5)
+    batch = [seq() for _ in range(4)]
+    queued = [seq() for _ in range(3)]
+    for x in batch + queued:
+        s.add(x)
+    rows, _ = s.schedule()
+    assert rows == batch
+    s.postprocess(rows, [EOS, 7, 7, 7], [0.0] * 4, version=0)  # one slot frees up
+    assert s.schedule()[1] is False, "one free slot is below the refill threshold for ordinary work"
+    urgent = seq(priority=True)
+    s.add(urgent)
+    rows, rebuild = s.schedule()
+    assert rebuild and urgent in rows and not any(q in rows for q in queued)
+    assert s.num_waiting == 3
+
+
+def test_abort_all_finishes_everything_and_prompt_too_long_names_the_field():
+    s = Scheduler(max_batch=1, eos_token_id=EOS, max_context=8)
+    a, b, c = seq(), seq(), seq(priority=True)
+    for x in (a, b, c):
+        s.add(x)
+    s.schedule()
+    aborted = s.abort_all()
+    assert set(aborted) == {a, b, c} and all(x.finish_reason == "abort" for x in aborted)
+    assert not s.has_work()
+    with pytest.raises(ValueError, match="prompt_ids"):
+        s.add(seq(prompt=range(8)))

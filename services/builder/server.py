@@ -61,7 +61,6 @@ class Builder:
         self.received = 0
         self.dropped_stale = 0
         self.reward_sum = 0.0
-        self.max_staleness_published = 0
         self.final_round: EvalRound | None = None
         self.finished = asyncio.Event()
         self.log = get_logger()
@@ -76,13 +75,17 @@ class Builder:
         if self.config.source != "dataset":
             return
         first = await self.issue_eval(self.budget.version)
-        await _until(lambda: first.complete, self.changed, stop)
+        while not first.complete and not stop.is_set():
+            await self.wait_changed()
         while not stop.is_set() and not self.finished.is_set():
-            if await self.issue_once():
-                continue
-            self.changed.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.changed.wait(), timeout=1.0)
+            if not await self.issue_once():
+                await self.wait_changed()
+
+    async def wait_changed(self, timeout: float = 1.0) -> None:
+        """Sleep until a trajectory, version or control call changes what may be issued (or `timeout`)."""
+        self.changed.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.changed.wait(), timeout=timeout)
 
     async def issue_once(self) -> bool:
         version = self.budget.version
@@ -160,8 +163,6 @@ class Builder:
             await self.bus.publish(SUBJECT_BATCHES, result.batch, result.batch.batch_id)
             self.batches_published += 1
             BATCHES.inc()
-            self.max_staleness_published = max([self.max_staleness_published,
-                                                *(g.staleness(index) for g in result.groups)])
             for group in result.groups:
                 await self._retire(group)
             self.log.info("batch_published", index=index, groups=len(result.groups), stale_dropped=len(result.stale))
@@ -212,13 +213,6 @@ class Builder:
             batches_published=self.batches_published, trajectories_received=self.received,
             trajectories_dropped_stale=self.dropped_stale, capacity=b.capacity(),
             paused=not self.admitting.is_set(), mean_reward=self.reward_sum / self.received if self.received else 0.0)
-
-
-async def _until(predicate, changed: asyncio.Event, stop: asyncio.Event) -> None:
-    while not predicate() and not stop.is_set():
-        changed.clear()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(changed.wait(), timeout=1.0)
 
 
 class BuilderServicer(builder_pb2_grpc.BuilderServiceServicer):

@@ -12,7 +12,7 @@ from services.common.contracts import builder_pb2_grpc, common_pb2, data_pb2, ro
 
 KIND = {data_pb2.VERSION_KIND_TRAINED: "trained", data_pb2.VERSION_KIND_DEPLOYED: "deployed",
         data_pb2.VERSION_KIND_CHECKPOINT: "checkpoint", data_pb2.VERSION_KIND_EVAL: "eval",
-        data_pb2.VERSION_KIND_RUN_END: "run_end"}
+        data_pb2.VERSION_KIND_RUN_END: "run_end", data_pb2.VERSION_KIND_BUDGET: "budget"}
 
 
 class EventLog:

@@ -1,4 +1,5 @@
-"""The staleness budget: admit prompt work only while accepted + in_flight <= (version + eta + 1) * batch_size.
+"""The staleness budget: admit prompt work only while accepted + in_flight <= (version + eta + 1) * batch_size;
+with source: online, the same limit is announced to the gateway (OnlineBudget).
 
 Counts are in groups (one prompt work = one group of samples). A group that is dropped (stale or
 failed) releases its slot. eta = 0 is synchronous RL. Pure state, no I/O.
@@ -54,3 +55,40 @@ class StalenessBudget:
 
     def on_version(self, version: int) -> None:
         self.version = max(self.version, version)
+
+
+@dataclasses.dataclass
+class OnlineBudget:
+    """The budget the builder announces to the gateway (source: online), in groups.
+
+    limit = (version + eta + 1) * batch_size; `released` counts online groups dropped stale (each frees a slot),
+    `arrived` the online groups received whole. Every announcement has its own event id (the bus dedupe key).
+    """
+
+    batch_size: int
+    max_staleness: int
+    version: int = 0
+    released: int = 0
+    arrived: int = 0
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size: must be >= 1, got {self.batch_size}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness: must be >= 0, got {self.max_staleness}")
+
+    @property
+    def limit(self) -> int:
+        return (self.version + self.max_staleness + 1) * self.batch_size
+
+    @property
+    def event_id(self) -> str:
+        return f"budget-{self.version}-{self.released}"
+
+    def on_version(self, version: int) -> None:
+        self.version = max(self.version, version)
+
+    def metrics(self) -> dict[str, float]:
+        return {"limit_groups": float(self.limit), "released_groups": float(self.released),
+                "arrived_groups": float(self.arrived), "eta": float(self.max_staleness),
+                "batch_size": float(self.batch_size)}

@@ -10,7 +10,7 @@ import msgpack
 import prometheus_client
 from transformers import AutoTokenizer
 
-from services.builder.admission import StalenessBudget
+from services.builder.admission import OnlineBudget, StalenessBudget
 from services.builder.config import BuilderConfig
 from services.builder.datasets import generate_split
 from services.builder.evaluation import EvalRound, EvalTracker
@@ -35,6 +35,8 @@ ISSUED = prometheus_client.Counter("meshrl_builder_groups_issued_total", "Prompt
 BATCHES = prometheus_client.Counter("meshrl_builder_batches_total", "Training batches published")
 DROPPED = prometheus_client.Counter("meshrl_builder_dropped_stale_total", "Trajectories dropped as stale")
 CAPACITY = prometheus_client.Gauge("meshrl_builder_capacity", "Groups that may still be admitted")
+GATEWAY_LIMIT = prometheus_client.Gauge("meshrl_builder_online_limit_groups",
+                                        "Online groups the gateway may admit in all (limit + released)")
 
 
 class Builder:
@@ -47,6 +49,8 @@ class Builder:
                                                      max_new_tokens=config.eval_max_new_tokens,
                                                      stop_token_ids=stop_token_ids)
         self.budget = StalenessBudget(config.batch_size, config.max_staleness)
+        # source: online: the gateway admits agent groups against this (announced on events.version)
+        self.online = OnlineBudget(config.batch_size, config.max_staleness) if config.source == "online" else None
         self.assembler = GroupAssembler()
         self.evals = EvalTracker(config.eval_every)
         self.eval_tasks = generate_split("eval", config.eval_size, config.seed)
@@ -72,7 +76,8 @@ class Builder:
         return bool(total) and self.budget.accepted + self.budget.in_flight >= total * self.config.batch_size
 
     async def issue_loop(self, stop: asyncio.Event) -> None:
-        if self.config.source != "dataset":
+        if self.online is not None:
+            await self.publish_budget()
             return
         first = await self.issue_eval(self.budget.version)
         while not first.complete and not stop.is_set():
@@ -142,11 +147,14 @@ class Builder:
         self.reward_sum += sum(t.reward for t in group.members.values())
         if traj.source == "workflow":
             self.budget.on_complete(accepted=True)
+        elif self.online is not None:
+            self.online.arrived += 1
         await self.flush_batches()
         self.changed.set()
 
     async def flush_batches(self) -> None:
         total = self.config.total_steps
+        released = 0
         while len(self.assembler.ready) >= self.config.batch_size and not (total and self.batches_published >= total):
             index = self.batches_published
             result = assemble_batch(self.assembler.ready, batch_size=self.config.batch_size, index=index,
@@ -158,6 +166,8 @@ class Builder:
                 DROPPED.inc(len(group.members))
                 if next(iter(group.members.values())).source == "workflow":
                     self.budget.on_unaccept()
+                else:
+                    released += 1
             if result.batch is None:
                 break
             await self.bus.publish(SUBJECT_BATCHES, result.batch, result.batch.batch_id)
@@ -166,6 +176,21 @@ class Builder:
             for group in result.groups:
                 await self._retire(group)
             self.log.info("batch_published", index=index, groups=len(result.groups), stale_dropped=len(result.stale))
+        if released and self.online is not None:
+            self.online.released += released
+            await self.publish_budget()
+
+    async def publish_budget(self) -> None:
+        """Announce the online budget; a failed publish is only logged (the next one carries the same totals)."""
+        b = self.online
+        event = data_pb2.VersionEvent(event_id=b.event_id, version=b.version, kind=data_pb2.VERSION_KIND_BUDGET,
+                                      at=now(), metrics=b.metrics())
+        try:
+            await self.bus.publish(SUBJECT_VERSIONS, event, event.event_id)
+        except Exception as exc:
+            self.log.warning("budget_publish_failed", event_id=event.event_id, error=str(exc))
+            return
+        GATEWAY_LIMIT.set(b.limit + b.released)
 
     async def _retire(self, group: Group) -> None:
         self.consumed_groups.add(group.group_id)
@@ -198,12 +223,25 @@ class Builder:
     async def handle_version(self, event: data_pb2.VersionEvent) -> None:
         if event.kind == data_pb2.VERSION_KIND_TRAINED:
             self.budget.on_version(event.version)
+            if self.online is not None:
+                self.online.on_version(event.version)
+                await self.publish_budget()
             total = self.config.total_steps
             if self.config.source == "online" and total and event.version >= total and not self.finished.is_set():
                 await self._publish_run_end(event.version, {})
         elif event.kind == data_pb2.VERSION_KIND_DEPLOYED:
             self.deployed_version = max(self.deployed_version, event.version)
         self.changed.set()
+
+    def start(self, stop: asyncio.Event) -> list[asyncio.Task]:
+        """The builder's loops: version events, scored trajectories, issuing."""
+        return [
+            asyncio.create_task(consume(self.bus, "builder-versions", decoder(data_pb2.VersionEvent),
+                                        self.handle_version, stop)),
+            asyncio.create_task(consume(self.bus, "builder", decoder(data_pb2.Trajectory), self.handle_scored, stop,
+                                        concurrency=64, manual_ack=True)),
+            asyncio.create_task(self.issue_loop(stop)),
+        ]
 
     def status(self) -> builder_pb2.BuilderStatus:
         b = self.budget
@@ -241,13 +279,7 @@ async def serve(config: BuilderConfig, stop: asyncio.Event) -> None:
         builder_pb2_grpc.add_BuilderServiceServicer_to_server, BuilderServicer(builder),
         builder_pb2.DESCRIPTOR.services_by_name["BuilderService"].full_name)], auth_token=config.auth_token)
     get_logger().info("serving", grpc_port=rpc.port, batch_size=config.batch_size, eta=config.max_staleness)
-    tasks = [
-        asyncio.create_task(consume(bus, "builder-versions", decoder(data_pb2.VersionEvent), builder.handle_version,
-                                    stop)),
-        asyncio.create_task(consume(bus, "builder", decoder(data_pb2.Trajectory), builder.handle_scored, stop,
-                                    concurrency=64, manual_ack=True)),
-        asyncio.create_task(builder.issue_loop(stop)),
-    ]
+    tasks = builder.start(stop)
     supervise(tasks, stop)
     await stop.wait()
     await asyncio.gather(*tasks, return_exceptions=True)

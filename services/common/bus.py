@@ -2,7 +2,8 @@
 
 Publishers set `Nats-Msg-Id` (JetStream drops duplicates inside the window) and a `Meshrl-Type`
 header naming the protobuf message. Consumers pull with explicit ack; a message is acked only after
-its handler returned (its effect is durable). A message that cannot be decoded, has the wrong type or
+its handler returned (its effect is durable). `follow` reads a subject from its start without acks
+(every replica sees every message). A message that cannot be decoded, has the wrong type or
 fails validation goes to `dlq.<consumer>` with the reason and is terminated; the loop keeps going.
 """
 
@@ -214,6 +215,29 @@ async def consume(bus: Bus, consumer: str, decode: Callable[[Msg], M],
     finally:
         if running:
             await asyncio.gather(*running, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+
+
+async def follow(bus: Bus, subject: str, decode: Callable[[Msg], M], handle: Callable[[M], None],
+                 stop: asyncio.Event) -> None:
+    """Every message on `subject` from the start of its stream, in order, until `stop` is set.
+
+    An ephemeral ordered consumer per caller (each replica sees everything; nothing is acked or shared).
+    Messages that do not decode are skipped; `handle` is called on the event loop and must not block.
+    """
+    log = get_logger().bind(follow=subject)
+
+    async def on_msg(msg: Msg) -> None:
+        try:
+            handle(decode(msg))
+        except ValueError as exc:  # InvalidMessage included
+            log.warning("follow_skipped", error=str(exc))
+
+    sub = await bus.js.subscribe(subject, cb=on_msg, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+    try:
+        await stop.wait()
+    finally:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
 

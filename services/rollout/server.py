@@ -7,7 +7,16 @@ import asyncio
 import grpc
 import prometheus_client
 
-from services.common.bus import SUBJECT_PROMPTS, SUBJECT_TRAJ_RAW, SUBJECT_TRAJ_SCORED, Bus, consume, decoder
+from services.common.bus import (
+    SUBJECT_PROMPTS,
+    SUBJECT_TRAJ_RAW,
+    SUBJECT_TRAJ_SCORED,
+    SUBJECT_VERSIONS,
+    Bus,
+    consume,
+    decoder,
+    follow,
+)
 from services.common.contracts import common_pb2, data_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common.logging import get_logger
 from services.common.rpc import Servicer, bound_address, call_until_ok, invalid_argument, start_server
@@ -134,14 +143,36 @@ def _weight_receiver(config: RolloutConfig, engine: EmbeddedEngine):
 
 
 async def _serve_gateway(config: RolloutConfig, engine: EmbeddedEngine, bus: Bus, stop: asyncio.Event) -> None:
-    """Agents' trajectories carry the reward they reported: they go straight to traj.scored."""
+    """Agents' trajectories carry the reward they reported: they go straight to traj.scored. New agent groups
+    are admitted under the staleness budget the builder announces on events.version."""
     from transformers import AutoTokenizer
 
-    from services.rollout.gateway import create_app, serve_gateway
+    from services.rollout.gateway import GroupBudget, create_app, serve_gateway
 
     tokenizer = AutoTokenizer.from_pretrained(config.engine.model_path)
 
     async def publish(traj: data_pb2.Trajectory) -> None:
         await bus.publish(SUBJECT_TRAJ_SCORED, traj, traj.trajectory_id)
 
-    await serve_gateway(create_app(config.gateway, engine, tokenizer, publish), config.gateway, stop)
+    budget = GroupBudget()
+    feed = asyncio.create_task(follow_budget(bus, budget, stop), name="gateway-budget")
+    supervise([feed], stop)
+    try:
+        await serve_gateway(create_app(config.gateway, engine, tokenizer, publish, budget), config.gateway, stop)
+    finally:
+        feed.cancel()
+        await asyncio.gather(feed, return_exceptions=True)
+
+
+async def follow_budget(bus: Bus, budget, stop: asyncio.Event) -> None:
+    """Feed the builder's budget events (source: online) to the gateway, from the stream's start, per replica."""
+    def on_event(event: data_pb2.VersionEvent) -> None:
+        if event.kind != data_pb2.VERSION_KIND_BUDGET:
+            return
+        m = event.metrics
+        if "limit_groups" not in m:
+            raise ValueError(f"limit_groups: missing in budget event {event.event_id!r}")
+        budget.update(limit=int(m["limit_groups"]), released=int(m.get("released_groups", 0)),
+                      arrived=int(m.get("arrived_groups", 0)))
+
+    await follow(bus, SUBJECT_VERSIONS, decoder(data_pb2.VersionEvent), on_event, stop)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -16,15 +17,13 @@ ADMIN = "test-admin-key"
 
 
 class GatewayServer:
-    def __init__(self, engine: Any, tokenizer: Any, *, capacity: bool | None = None, **config: Any) -> None:
+    def __init__(self, engine: Any, tokenizer: Any, **config: Any) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.published: list[data_pb2.Trajectory] = []
-        self.has_capacity = True
         self.publish_fails = 0               # the next N publishes raise (a bus outage)
         self.config = GatewayConfig(port=free_port(), admin_key=ADMIN, **config)
-        self.app = create_app(self.config, engine, tokenizer, self._publish,
-                              self._capacity if capacity is not None else None)
+        self.app = create_app(self.config, engine, tokenizer, self._publish)
         self.gateway = self.app.state.gateway
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -40,9 +39,6 @@ class GatewayServer:
             self.publish_fails -= 1
             raise ConnectionError("bus unavailable")
         self.published.append(traj)
-
-    async def _capacity(self) -> bool:
-        return self.has_capacity
 
     def _serve(self) -> None:
         async def main() -> None:
@@ -70,6 +66,13 @@ class GatewayServer:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(30)
         self.engine.stop()
+
+    def on_loop(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run fn on the gateway's event loop (where its state lives) and return its result."""
+        async def call() -> Any:
+            return fn(*args, **kwargs)
+
+        return asyncio.run_coroutine_threadsafe(call(), self._loop).result(10)
 
     # admin helpers -----------------------------------------------------------------------------------------
     def admin(self, method: str, path: str, headers: dict | None = None, **kwargs) -> httpx.Response:

@@ -1,4 +1,5 @@
-"""Back-pressure (pause -> wait -> 429 with Retry-After), weight updates mid-stream, and SDK retries deduplicated."""
+"""Back-pressure on pauses (wait -> 429 with Retry-After), weight updates mid-stream, SDK retries deduplicated.
+The staleness budget's back-pressure: test_budget.py."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ BODY = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_t
 
 @pytest.fixture(scope="module")
 def gw(tok):
-    server = GatewayServer(random_engine(tok, seed=3), tok, capacity=True, max_wait_s=0.6, retry_after_s=1.0,
+    server = GatewayServer(random_engine(tok, seed=3), tok, max_wait_s=0.6, retry_after_s=1.0,
                            default_max_tokens=16).start()
     yield server
     server.stop()
@@ -64,17 +65,6 @@ def test_request_waiting_through_a_short_pause_succeeds(gw):
     threading.Timer(0.2, gw.engine.resume).start()
     r = post(gw, s["api_key"], BODY)
     assert r.status_code == 200 and len(interactions(gw, s)) == 1
-
-
-def test_exhausted_staleness_budget_is_429(gw):
-    s = gw.start_session()
-    gw.has_capacity = False
-    try:
-        r = post(gw, s["api_key"], BODY)
-    finally:
-        gw.has_capacity = True
-    assert r.status_code == 429 and r.headers["x-meshrl-paused"] == "0" and "staleness" in r.json()["error"]["message"]
-    assert post(gw, s["api_key"], BODY).status_code == 200
 
 
 def test_sdk_retries_after_429_and_records_one_interaction(gw):

@@ -5,7 +5,8 @@ and exported as trajectories with the reward the agent reports.
 """
 
 from services.rollout.gateway.app import create_app
+from services.rollout.gateway.budget import GroupBudget
 from services.rollout.gateway.config import GatewayConfig
 from services.rollout.gateway.server import serve_gateway
 
-__all__ = ["GatewayConfig", "create_app", "serve_gateway"]
+__all__ = ["GatewayConfig", "GroupBudget", "create_app", "serve_gateway"]

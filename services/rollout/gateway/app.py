@@ -15,6 +15,7 @@ from starlette.responses import Response
 from services.common.contracts import data_pb2
 from services.common.logging import get_logger
 from services.rollout.gateway import lifecycle
+from services.rollout.gateway.budget import GroupBudget
 from services.rollout.gateway.config import GatewayConfig
 from services.rollout.gateway.core import Gateway
 from services.rollout.gateway.errors import ApiError
@@ -24,9 +25,8 @@ from services.rollout.gateway.routes_rl import add_rl_routes
 
 
 def create_app(config: GatewayConfig, engine: Any, tokenizer: Any,
-               publish: Callable[[data_pb2.Trajectory], Awaitable[None]],
-               capacity: Callable[[], Awaitable[bool]] | None = None) -> FastAPI:
-    gateway = Gateway(config, engine, tokenizer, publish, capacity)
+               publish: Callable[[data_pb2.Trajectory], Awaitable[None]], budget: GroupBudget | None = None) -> FastAPI:
+    gateway = Gateway(config, engine, tokenizer, publish, budget)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from services.rollout.engines.sequence import Sampling
+from services.rollout.gateway.budget import GroupBudget
 from services.rollout.gateway.errors import ApiError
-
-Capacity = Callable[[], Awaitable[bool]]
 
 
 class Sampled:
@@ -39,10 +37,10 @@ class Sampled:
 
 
 class EngineBackend:
-    def __init__(self, engine: Any, *, capacity: Capacity | None, max_wait_s: float, poll_s: float,
+    def __init__(self, engine: Any, *, budget: GroupBudget, max_wait_s: float, poll_s: float,
                  retry_after_s: float) -> None:
         self.engine = engine
-        self.capacity = capacity
+        self.budget = budget
         self.max_wait_s = max_wait_s
         self.poll_s = poll_s
         self.retry_after_s = retry_after_s
@@ -52,22 +50,20 @@ class EngineBackend:
     def version(self) -> int:
         return int(getattr(self.engine, "version", 0))
 
-    async def admit(self) -> None:
-        """Wait while the engine is paused (weight update) or the staleness budget is spent; then 429."""
+    async def admit(self, group_id: str | None = None, group_size: int = 1) -> None:
+        """Wait while the engine is paused (weight update) or, for a group's first request, while the staleness
+        budget is spent; then 429. A group admitted once only waits for pauses (no session stalls mid-episode)."""
         deadline = time.monotonic() + self.max_wait_s
-        while not await self._ready():
+        while self.engine.paused or (group_id is not None and not self.budget.admit(group_id, group_size)):
             if time.monotonic() >= deadline:
-                reason = "paused for a weight update" if self.engine.paused else "out of staleness budget"
+                paused = bool(self.engine.paused)
+                reason = "the policy is paused for a weight update" if paused else \
+                    f"the policy is out of staleness budget ({self.budget.admitted} groups admitted)"
                 secs = max(1, round(self.retry_after_s))
-                raise ApiError(429, f"the policy is {reason}; retry after {secs}s", code="rate_limit_exceeded",
+                raise ApiError(429, f"{reason}; retry after {secs}s", code="rate_limit_exceeded",
                                headers={"retry-after": str(secs), "retry-after-ms": str(int(self.retry_after_s * 1000)),
-                                        "x-meshrl-paused": "1" if self.engine.paused else "0"})
+                                        "x-meshrl-paused": "1" if paused else "0"})
             await asyncio.sleep(self.poll_s)
-
-    async def _ready(self) -> bool:
-        if self.engine.paused:
-            return False
-        return True if self.capacity is None else bool(await self.capacity())
 
     def submit(self, prompt_ids: list[int], sampling: Sampling, n: int) -> list[Sampled]:
         loop = asyncio.get_running_loop()

@@ -20,10 +20,10 @@ class GatewayConfig:
     admin_key: str = dataclasses.field(default_factory=_admin_key_from_env, repr=False)
     model_name: str = "meshrl-policy"           # reported by /v1/models and in responses; requests may name any model
 
-    # back-pressure: while the engine is paused or capacity() is False, wait this long, then 429
+    # back-pressure: while the engine is paused or a new group finds the staleness budget spent, wait this long, then 429
     max_wait_s: float = 30.0
     retry_after_s: float = 1.0                  # sent as Retry-After (and retry-after-ms) on 429
-    poll_interval_s: float = 0.005              # how often a waiting request re-checks pause / capacity
+    poll_interval_s: float = 0.005              # how often a waiting request re-checks pause / budget
     stream_interval_s: float = 0.02             # how often streamed text is read from sequences in flight
     request_timeout_s: float = 600.0            # generation longer than this is answered 504 and not recorded
 

@@ -13,6 +13,7 @@ from services.common.logging import get_logger
 from services.rollout.engines.sequence import Sampling
 from services.rollout.gateway import metrics
 from services.rollout.gateway.backend import EngineBackend, Sampled
+from services.rollout.gateway.budget import GroupBudget
 from services.rollout.gateway.chat_format import ChatFormat
 from services.rollout.gateway.config import GatewayConfig
 from services.rollout.gateway.dedupe import ReplayCache
@@ -41,10 +42,13 @@ class ReplayKey:
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig, engine: Any, tokenizer: Any, publish: Publish, capacity=None) -> None:
+    def __init__(self, config: GatewayConfig, engine: Any, tokenizer: Any, publish: Publish,
+                 budget: GroupBudget | None = None) -> None:
         self.config = config
         self.fmt = ChatFormat(tokenizer, config.extra_stop_tokens)
-        self.backend = EngineBackend(engine, capacity=capacity, max_wait_s=config.max_wait_s,
+        self.budget = budget if budget is not None else GroupBudget()
+        metrics.CAPACITY.set_function(lambda b=self.budget: _gauge(b.capacity()))
+        self.backend = EngineBackend(engine, budget=self.budget, max_wait_s=config.max_wait_s,
                                      poll_s=config.poll_interval_s, retry_after_s=config.retry_after_s)
         self.max_context = config.max_context or self.backend.max_context or \
             min(int(getattr(tokenizer, "model_max_length", 4096)), 32768)
@@ -91,7 +95,7 @@ class Gateway:
         if session is not None:
             session.inflight += 1
         try:
-            await self._admit()
+            await self._admit(session)
             prompt = self._prompt(req, session)
             sampling = self._sampling(req, len(prompt.ids))
             return self._launch(req, session, prompt, sampling, replay, token)
@@ -100,9 +104,12 @@ class Gateway:
             metrics.REQUESTS.labels(req.api, str(exc.status) if isinstance(exc, ApiError) else "error").inc()
             raise
 
-    async def _admit(self) -> None:
+    async def _admit(self, session: Session | None) -> None:
         try:
-            await self.backend.admit()
+            if session is None:  # the admin key: not recorded, so outside the budget
+                await self.backend.admit()
+            else:
+                await self.backend.admit(session.group_id, session.group_size)
         except ApiError:
             self.rejected_busy += 1
             raise
@@ -199,6 +206,10 @@ class Gateway:
     # export -----------------------------------------------------------------------------------------------
     def enqueue(self, trajectories: list[data_pb2.Trajectory]):
         return self.outbox.put(trajectories)
+
+
+def _gauge(capacity: int | None) -> float:
+    return -1.0 if capacity is None else float(max(capacity, 0))
 
 
 def _lists(s: Sampled) -> tuple[list[int], list[float], list[int]]:

@@ -58,6 +58,8 @@ async def end_session(gw: Gateway, session: Session, *, reason: str = "ended") -
         session.transition(SessionState.ENDED, reason)
         trajectories = export_session(session, mode=gw.config.export_mode, gamma=gw.config.turn_discount)
         session.exported = len(trajectories)
+        own = sum(t.group_id == session.group_id for t in trajectories)
+        gw.budget.end(session.group_id, session.group_size, exported=own > 0, extra=len(trajectories) - own)
         session.release()
         gw.replays.forget_session(session.id)
         metrics.SESSIONS.labels(reason).inc()

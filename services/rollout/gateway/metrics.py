@@ -10,3 +10,5 @@ REUSED_TOKENS = prometheus_client.Counter("meshrl_gateway_reused_prompt_tokens_t
 PROMPT_TOKENS = prometheus_client.Counter("meshrl_gateway_prompt_tokens_total", "Prompt tokens sent to the engine")
 SESSIONS = prometheus_client.Counter("meshrl_gateway_sessions_total", "Sessions by how they ended", ["event"])
 TRAJECTORIES = prometheus_client.Counter("meshrl_gateway_trajectories_total", "Trajectories exported")
+CAPACITY = prometheus_client.Gauge("meshrl_gateway_capacity_groups",
+                                   "Agent groups the staleness budget still admits (-1: unlimited, no budget announced)")

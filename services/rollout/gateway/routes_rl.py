@@ -79,7 +79,7 @@ def add_rl_routes(app: FastAPI, gw: Gateway) -> None:
                               "requests": gw.requests, "replayed": gw.replayed, "rejected_busy": gw.rejected_busy,
                               "published": gw.outbox.published, "publish_pending": gw.outbox.pending,
                               "engine_paused": bool(gw.backend.engine.paused), "policy_version": gw.backend.version,
-                              "export_mode": cfg.export_mode})
+                              "export_mode": cfg.export_mode, "budget": gw.budget.snapshot()})
 
     async def session_info(request: Request) -> Response:
         require_admin(request)

@@ -15,6 +15,7 @@ class VersionKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     VERSION_KIND_CHECKPOINT: _ClassVar[VersionKind]
     VERSION_KIND_EVAL: _ClassVar[VersionKind]
     VERSION_KIND_RUN_END: _ClassVar[VersionKind]
+    VERSION_KIND_BUDGET: _ClassVar[VersionKind]
 
 class RankRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -27,6 +28,7 @@ VERSION_KIND_DEPLOYED: VersionKind
 VERSION_KIND_CHECKPOINT: VersionKind
 VERSION_KIND_EVAL: VersionKind
 VERSION_KIND_RUN_END: VersionKind
+VERSION_KIND_BUDGET: VersionKind
 RANK_ROLE_UNSPECIFIED: RankRole
 RANK_ROLE_SENDER: RankRole
 RANK_ROLE_RECEIVER: RankRole

@@ -11,15 +11,18 @@ Deterministic per seed (CPU, fixed thread count).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from services.builder.datasets import Task, demonstration, extract_answer, generate_split  # noqa: E402
 from services.trainer.models import TinyQwen3Config, build_tokenizer, padded_vocab_size  # noqa: E402
@@ -51,7 +54,8 @@ def is_correct(completion: str, reference: str) -> bool:
 
 # "raw": the prompt is the problem text ("12+30="), the completion ends with EOS (the main job).
 # "chat": the problem is a user message rendered with the chat template and the completion ends with the
-# template's end of turn, so the model answers through the agent gateway (make run-agent).
+# template's end of turn, so the model answers through the agent gateway.
+# "tools": whole calculator-agent episodes through the chat template (make run-agent's example agents).
 PROMPT_STYLE = "raw"
 
 
@@ -63,7 +67,7 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
 
 
 def end_of_completion(tokenizer) -> int:
-    return tokenizer.convert_tokens_to_ids("<|im_end|>") if PROMPT_STYLE == "chat" else tokenizer.eos_token_id
+    return tokenizer.convert_tokens_to_ids("<|im_end|>") if PROMPT_STYLE != "raw" else tokenizer.eos_token_id
 
 
 def encode_prompts(tokenizer, tasks: list[Task]) -> list[list[int]]:
@@ -72,18 +76,21 @@ def encode_prompts(tokenizer, tasks: list[Task]) -> list[list[int]]:
 
 def sft_batch(tokenizer, tasks: list[Task]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded input ids, attention mask, labels (-100 except completion tokens and EOS)."""
-    eos = tokenizer.eos_token_id
-    seqs, labels = [], []
+    examples = []
     for t in tasks:
         p = encode_prompt(tokenizer, t.prompt)
         c = tokenizer.encode(demonstration(t), add_special_tokens=False) + [end_of_completion(tokenizer)]
-        seqs.append(p + c)
-        labels.append([-100] * len(p) + c)
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), eos, dtype=torch.long)
-    lab = torch.full((len(seqs), width), -100, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, (s, lb) in enumerate(zip(seqs, labels, strict=False)):
+        examples.append((p + c, [-100] * len(p) + c))
+    return pad_batch(tokenizer, examples)
+
+
+def pad_batch(tokenizer, examples: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    eos = tokenizer.eos_token_id
+    width = max(len(ids) for ids, _ in examples)
+    ids = torch.full((len(examples), width), eos, dtype=torch.long)
+    lab = torch.full((len(examples), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, (s, lb) in enumerate(examples):
         ids[i, : len(s)] = torch.tensor(s)
         lab[i, : len(lb)] = torch.tensor(lb)
         mask[i, : len(s)] = 1
@@ -167,11 +174,10 @@ def build(seed: int, cfg: TinyQwen3Config = MODEL):
 
 def sft(model, tokenizer, seed: int, lr: float = SFT_LR, batch: int = SFT_BATCH, max_steps: int = SFT_MAX_STEPS,
         eval_every: int = SFT_EVAL_EVERY, band: tuple[float, float] = BAND, eval_tasks: list[Task] | None = None,
-        log=None) -> dict:
-    """SFT until held-out greedy accuracy is inside ``band`` (or max_steps). Returns a summary."""
+        log=None, curriculum: Curriculum | None = None) -> dict:
+    """SFT until held-out greedy accuracy is inside ``band`` (or above it, or max_steps). Returns a summary."""
     torch.manual_seed(seed)
-    train = generate_split("train", TRAIN_NUM, seed)
-    eval_tasks = eval_tasks if eval_tasks is not None else generate_split("eval", EVAL_NUM, EVAL_SEED)
+    curriculum = curriculum or addition_curriculum(tokenizer, seed, eval_tasks)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / SFT_WARMUP))
     g = torch.Generator().manual_seed(seed)
@@ -180,8 +186,8 @@ def sft(model, tokenizer, seed: int, lr: float = SFT_LR, batch: int = SFT_BATCH,
     acc, step, loss_v = 0.0, 0, float("nan")
     history = []
     for step in range(1, max_steps + 1):
-        idx = torch.randint(len(train), (batch,), generator=g).tolist()
-        ids, mask, lab = sft_batch(tokenizer, [train[i] for i in idx])
+        idx = torch.randint(curriculum.train_size, (batch,), generator=g).tolist()
+        ids, mask, lab = curriculum.batch(idx)
         loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -190,18 +196,42 @@ def sft(model, tokenizer, seed: int, lr: float = SFT_LR, batch: int = SFT_BATCH,
         sched.step()
         loss_v = float(loss.detach())
         if step % eval_every == 0:
-            acc = greedy_accuracy(model, tokenizer, eval_tasks)
+            acc = curriculum.evaluate(model)
             history.append((step, round(acc, 3)))
             if log:
                 log({"phase": "sft", "step": step, "loss": round(loss_v, 4), "heldout_acc": acc,
                      "t": round(time.perf_counter() - t0, 2)})
-            if band[0] <= acc <= band[1]:
-                break
-            if acc > band[1]:
+            if acc >= band[0]:
                 break
     model.eval()
     return {"sft_steps": step, "sft_loss": round(loss_v, 4), "heldout_acc": acc, "history": history,
             "sft_seconds": round(time.perf_counter() - t0, 2)}
+
+
+@dataclasses.dataclass
+class Curriculum:
+    """What SFT trains on: a training-set size, a batch of (ids, mask, labels) by index, a held-out score."""
+    train_size: int
+    batch: Callable[[list[int]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    evaluate: Callable[[torch.nn.Module], float]
+
+
+def addition_curriculum(tokenizer, seed: int, eval_tasks: list[Task] | None = None) -> Curriculum:
+    train = generate_split("train", TRAIN_NUM, seed)
+    eval_tasks = eval_tasks if eval_tasks is not None else generate_split("eval", EVAL_NUM, EVAL_SEED)
+    return Curriculum(TRAIN_NUM, lambda idx: sft_batch(tokenizer, [train[i] for i in idx]),
+                      lambda model: greedy_accuracy(model, tokenizer, eval_tasks))
+
+
+def tool_curriculum(tokenizer, seed: int) -> Curriculum:
+    """The calculator agent's episodes: a tool call, the tool's result, 'Answer: N' (scripts/tool_episodes.py)."""
+    import tool_episodes
+
+    train = tool_episodes.split("train", TRAIN_NUM, seed)
+    eval_tasks = tool_episodes.split("eval", EVAL_NUM, seed)
+    return Curriculum(TRAIN_NUM, lambda idx: pad_batch(tokenizer, [tool_episodes.demonstration(tokenizer, q, e)
+                                                                   for _, q, e in (train[i] for i in idx)]),
+                      lambda model: tool_episodes.greedy_success(model, tokenizer, eval_tasks, generate))
 
 
 def save(model, tokenizer, out: Path) -> None:
@@ -220,15 +250,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-steps", type=int, default=SFT_MAX_STEPS)
     ap.add_argument("--lr", type=float, default=SFT_LR)
     ap.add_argument("--verbose", action="store_true")
-    ap.add_argument("--chat", action="store_true", help="train and evaluate through the chat template (agents)")
+    style = ap.add_mutually_exclusive_group()
+    style.add_argument("--chat", action="store_true", help="addition through the chat template")
+    style.add_argument("--tools", action="store_true",
+                       help="the calculator agent's tool-using episodes (examples/agents) through the chat template")
+    ap.add_argument("--layers", type=int, default=MODEL.num_hidden_layers)
+    ap.add_argument("--eval-every", type=int, default=SFT_EVAL_EVERY, help="SFT steps between held-out evaluations")
     args = ap.parse_args(argv)
     global PROMPT_STYLE
-    PROMPT_STYLE = "chat" if args.chat else "raw"
+    PROMPT_STYLE = "tools" if args.tools else "chat" if args.chat else "raw"
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    tokenizer, model = build(args.seed)
+    tokenizer, model = build(args.seed, dataclasses.replace(MODEL, num_hidden_layers=args.layers))
     log = (lambda rec: print(json.dumps(rec), file=sys.stderr, flush=True)) if args.verbose else None
-    summary = sft(model, tokenizer, args.seed, lr=args.lr, max_steps=args.max_steps, band=tuple(args.band), log=log)
+    curriculum = tool_curriculum(tokenizer, args.seed) if args.tools else None
+    summary = sft(model, tokenizer, args.seed, lr=args.lr, max_steps=args.max_steps, band=tuple(args.band), log=log,
+                  curriculum=curriculum, eval_every=args.eval_every)
     save(model, tokenizer, args.out)
     print(json.dumps({
         "out": str(args.out), "seed": args.seed, "prompt_style": PROMPT_STYLE, "heldout_acc": summary["heldout_acc"],

@@ -13,10 +13,10 @@ from pathlib import Path
 from anthropic import Anthropic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SYSTEM, arguments, play, run_tool  # noqa: E402
+from common import SYSTEM, TOOLS as OPENAI_TOOLS, arguments, play, run_tool  # noqa: E402
 
-TOOLS = [{"name": "calculator", "description": "Evaluate an arithmetic expression with + - * / and parentheses.",
-          "input_schema": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}]
+TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
+          "input_schema": t["function"]["parameters"]} for t in OPENAI_TOOLS]
 
 
 def episode(client: Anthropic, model: str, question: str, max_turns: int, max_tokens: int, *,

@@ -8,18 +8,23 @@ from __future__ import annotations
 
 import argparse
 import ast
+import concurrent.futures
 import dataclasses
 import json
 import operator
 import os
 import random
 import re
+import threading
 import urllib.request
 from collections.abc import Callable
 
 DEV_ADMIN_KEY = "meshrl-dev-admin-key"
 SYSTEM = ("You are a careful arithmetic assistant. Use the calculator tool for every computation, then reply with "
           "'Answer: <number>'.")
+TOOLS = [{"type": "function", "function": {  # OpenAI's format; the Anthropic agent sends the same schema
+    "name": "calculator", "description": "Evaluate an arithmetic expression with + - * / and parentheses.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.USub: operator.neg, ast.UAdd: operator.pos}
 
@@ -34,6 +39,7 @@ def arguments(description: str) -> argparse.Namespace:
                    help="use this fixed session key (re-started for every episode, like OpenClaw) instead of fresh ones")
     p.add_argument("--episodes", type=int, default=8)
     p.add_argument("--group-size", type=int, default=4, help="episodes per task (a GRPO group)")
+    p.add_argument("--parallel", type=int, default=1, help="episodes played at once (whole groups are started)")
     p.add_argument("--max-turns", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
@@ -41,7 +47,10 @@ def arguments(description: str) -> argparse.Namespace:
     p.add_argument("--task", choices=sorted(TASKS), default="calculator",
                    help="calculator: multi-turn with the calculator tool; addition: 'a+b=' answered directly "
                         "(what the tiny model trained by `make run-agent` can learn)")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.api_key and args.parallel > 1:
+        p.error("--parallel: a fixed --api-key plays one episode at a time (starting it again ends the last one)")
+    return args
 
 
 def task(rng: random.Random) -> tuple[str, str, float]:
@@ -123,20 +132,33 @@ def finish(args: argparse.Namespace, key: str, value: float) -> dict:
 
 
 def play(args: argparse.Namespace, make_client, episode) -> None:
-    """Run `args.episodes` episodes: a session per group member, the agent's turns, the reward, one JSON line each."""
+    """Run `args.episodes` episodes, `args.parallel` at a time: a session per group member, the agent's turns, the
+    reward, one JSON line each."""
     rng = random.Random(args.seed)
     spec = TASKS[args.task]
     rewards: list[float] = []
-    done = 0
-    while done < args.episodes:
-        task_id, question, expected = spec.make(rng)
-        for key in start_sessions(args, task_id):
-            answer, turns, tools = episode(make_client(key), args.model, question, args.max_turns, args.max_tokens,
-                                           system=spec.system, use_tools=spec.tools)
-            value = reward(answer, expected)
-            ended = finish(args, key, value)
+    lock = threading.Lock()
+
+    def one(key: str, task_id: str, question: str, expected: float) -> None:
+        answer, turns, tools = episode(make_client(key), args.model, question, args.max_turns, args.max_tokens,
+                                       system=spec.system, use_tools=spec.tools)
+        value = reward(answer, expected)
+        ended = finish(args, key, value)
+        with lock:
             rewards.append(value)
-            done += 1
-            print(json.dumps({"episode": done, "task_id": task_id, "turns": turns, "tool_calls": tools, "reward": value,
-                              "mean_reward_last_20": sum(rewards[-20:]) / len(rewards[-20:]),
+            print(json.dumps({"episode": len(rewards), "task_id": task_id, "turns": turns, "tool_calls": tools,
+                              "reward": value, "mean_reward_last_20": sum(rewards[-20:]) / len(rewards[-20:]),
                               "trajectories": ended.get("trajectories")}), flush=True)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        pending: set[concurrent.futures.Future] = set()
+        started = 0
+        while started < args.episodes or pending:
+            while started < args.episodes and len(pending) < args.parallel:
+                task_id, question, expected = spec.make(rng)
+                for key in start_sessions(args, task_id):  # a group's sessions start together and run side by side
+                    pending.add(pool.submit(one, key, task_id, question, expected))
+                    started += 1
+            done, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in done:
+                future.result()  # an agent error stops the agent, as it would without meshrl

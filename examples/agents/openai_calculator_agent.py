@@ -15,11 +15,7 @@ from pathlib import Path
 from openai import OpenAI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SYSTEM, arguments, play, run_tool  # noqa: E402
-
-TOOLS = [{"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression with + - * / and parentheses.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+from common import SYSTEM, TOOLS, arguments, play, run_tool  # noqa: E402
 
 
 def episode(client: OpenAI, model: str, question: str, max_turns: int, max_tokens: int, *,

@@ -116,7 +116,7 @@ def calculator_replies(prompt: str, forced: str = "") -> str:
         return (name + '", "arguments": {' + tail) if forced.endswith('"') else "{" + tail
     if "get_weather" in prompt and not results:
         call = '{"name":"get_weather","arguments":{"location":"San Francisco"}}'
-    elif '"calculator"' in prompt and prompt.count("<tool_response>") < 4 and (not results or results[-1].strip().isdigit()):
+    elif re.search(r'"calculator"|\bcalculator\(', prompt) and prompt.count("<tool_response>") < 4 and (not results or results[-1].strip().isdigit()):
         n = prompt.count("<tool_response>")
         call = f'{{"name":"calculator","arguments":{{"expression":"{n + 1}+{n + 2}"}}}}'
     elif results:

@@ -19,17 +19,18 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (EOS_TOKEN, IM_START, IM_END)
 
-# Qwen2.5/Qwen3-style ChatML template (without the thinking-mode extras).
+# Qwen2.5/Qwen3-style ChatML template (without the thinking-mode extras). Tools are listed compactly as
+# `name(param, ...)` instead of Qwen's JSON schemas: a character-level model with a 256-position budget
+# cannot afford 600 characters of boilerplate per turn. Tool calls are Qwen's `<tool_call>` JSON.
 CHAT_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
-    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
-    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
-    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, "
-    "\"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n' }}{%- endif %}"
+    "{{- 'Tools:' }}"
+    "{%- for tool in tools %}{%- set fn = tool['function'] if tool['function'] is defined else tool %}"
+    "{{- ' ' + fn['name'] + '(' + ((fn['parameters'] or {}).get('properties') or {}) | list | join(', ') + ')' }}"
+    "{%- endfor %}"
+    "{{- '\\nCall one with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>\\n' }}"
     "{%- elif messages[0]['role'] == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
     "{%- endif %}"

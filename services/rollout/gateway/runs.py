@@ -59,6 +59,9 @@ class Run:
         assert self.completion is not None
         return self.completion
 
+    def abandon(self) -> None:
+        """The client went away before the end: stop generating; nothing is recorded."""
+
 
 class ReplayRun(Run):
     """The first attempt's finished result, served again to an SDK retry."""
@@ -107,6 +110,10 @@ class LiveRun(Run):
             yield item
         self.completion = await asyncio.shield(self.task)
 
+    def abandon(self) -> None:
+        if not self.task.done():
+            self.task.cancel()  # _drive aborts the sequences on its way out
+
     async def _drive(self) -> Completion:
         try:
             self._pairs = list(zip(self._submit(), self._decoders, strict=True))
@@ -123,12 +130,16 @@ class LiveRun(Run):
                         events = d.update(s.ids(), s.done)
                         if events and self._queue is not None:
                             self._queue.put_nowait((d.index, events))
+                        if d.finished and not s.done:
+                            s.abort()  # a stop string ended the text: the engine stops too, the ids stay as read
                 if all(d.finished for _, d in self._pairs):
                     break
             completion = self._finalize(self._pairs)
             self.completion = completion
             return completion
         except BaseException as exc:
+            for s, _ in self._pairs:  # a timeout, the client gone, an error: free the engine's slots
+                s.abort()
             if self._queue is not None:
                 self._queue.put_nowait(exc if isinstance(exc, Exception) else ApiError(503, "generation cancelled"))
             raise

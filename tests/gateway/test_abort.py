@@ -75,6 +75,7 @@ def test_a_client_leaving_mid_stream_aborts_generation_and_records_nothing(gw):
                       timeout=60) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
+        assert next(line for line in lines if line).startswith("data: "), "a first delta: generation under way"
         seq = gw.engine.submitted[-1]
     wait_finished(seq)
     assert seq.finish_reason == "abort" and len(seq.output_ids) < MAX_TOKENS

@@ -6,7 +6,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI
+from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
@@ -47,7 +47,7 @@ def sse(run: Run, body: AsyncIterator[bytes], dialect: Dialect = "openai") -> St
     return RunStream(guarded(), run)
 
 
-def add_model_routes(app: FastAPI, gw: Gateway) -> None:
+def add_model_routes(app: Starlette, gw: Gateway) -> None:
     cfg = gw.config
     started = int(time.time())
 

@@ -77,8 +77,9 @@ class ReplayRun(Run):
 
 class LiveRun(Run):
     """Sequences in the engine. A background task submits them and drives them to the end, even if the client
-    goes away. Submitting from that task, after the request handler has done its work, keeps the event loop
-    quiet (and off the GIL) while the engine thread computes."""
+    goes away. Submitting from that task, after the request handler has done its work (for a stream: once its
+    head has gone out and the client reads deltas), keeps the event loop quiet (and off the GIL) while the
+    engine thread computes."""
 
     def __init__(self, completion_id: str, created: int, prompt: Prompt, submit: Callable[[], list[Sampled]],
                  decoders: list[ChoiceDecoder], *, stream: bool, poll_s: float, timeout_s: float,
@@ -90,6 +91,7 @@ class LiveRun(Run):
         self._pairs: list[tuple[Sampled, ChoiceDecoder]] = []
         self._snapshots = stream or any(d.needs_snapshots for d in decoders)
         self._queue: asyncio.Queue | None = asyncio.Queue() if stream else None
+        self._reading = asyncio.Event()  # a stream's consumer has started reading deltas
         self._poll_s = poll_s
         self._deadline = time.monotonic() + timeout_s
         self._finalize = finalize
@@ -101,6 +103,7 @@ class LiveRun(Run):
         if self._queue is None:
             self.completion = await asyncio.shield(self.task)
             return
+        self._reading.set()
         while True:
             item = await self._queue.get()
             if item is END:
@@ -116,6 +119,8 @@ class LiveRun(Run):
 
     async def _drive(self) -> Completion:
         try:
+            if self._queue is not None:  # the stream's head first, not in contention with the engine's prefill
+                await asyncio.wait_for(self._reading.wait(), max(0.0, self._deadline - time.monotonic()))
             self._pairs = list(zip(self._submit(), self._decoders, strict=True))
             while True:
                 waiting = [s.future for s, d in self._pairs if not d.finished and not s.done]

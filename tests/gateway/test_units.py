@@ -185,3 +185,20 @@ def test_the_development_admin_key_only_serves_loopback():
     config = GatewayConfig(host="0.0.0.0", admin_key=DEV_ADMIN_KEY)
     with pytest.raises(ValueError, match="MESHRL_ADMIN_KEY"):
         asyncio.run(serve_gateway(None, config, asyncio.Event()))
+
+
+def test_the_direct_tokenizer_path_gives_the_wrapper_s_ids_and_text_or_is_not_taken():
+    tok = tokenizer()
+    fmt = ChatFormat(tok)
+    assert fmt._backend is not None
+    rng = random.Random(0)
+    pieces = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", " ", "\n", "é", "世", "😀", "a", "Hello", "  "]
+    for _ in range(200):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 12)))
+        ids = list(tok.encode(text, add_special_tokens=False))
+        assert fmt.encode(text) == ids
+        assert fmt.decode(ids) == tok.decode(ids, skip_special_tokens=True)
+        cut = rng.randint(0, len(ids))  # a partial UTF-8 character at the end decodes alike too
+        assert fmt.decode(ids[:cut]) == tok.decode(ids[:cut], skip_special_tokens=True)
+    tok.clean_up_tokenization_spaces = True
+    assert ChatFormat(tok)._backend is None, "the wrapper post-processes text: its own path is kept"

@@ -115,6 +115,39 @@ def test_pause_blocks_generation_until_resume():
         engine.stop()
 
 
+def test_abort_stops_a_running_sequence_early_frees_its_slot_and_calls_back_once():
+    model = tiny_model(5)
+    engine = make_engine(model, eos_token_id_override=-1, max_batch=1)  # no EOS; one slot
+    finished: list = []
+    sampling = Sampling(temperature=1.0, max_new_tokens=200)
+    try:
+        running = engine.submit([5, 6, 7], sampling, finished.append)
+        waiting = engine.submit([8, 9], sampling, finished.append)
+        engine.abort(waiting)
+        assert finished == [waiting] and waiting.finish_reason == "abort" and waiting.output_ids == []
+        for _ in range(3000):
+            if len(running.output_ids) >= 5:
+                break
+            threading.Event().wait(0.01)
+        engine.abort(running)
+        ids_at_abort = list(running.output_ids)
+        later = engine.submit([10, 11], Sampling(temperature=1.0, max_new_tokens=4), finished.append)
+        for _ in range(3000):
+            if later in finished:
+                break
+            threading.Event().wait(0.01)
+        engine.abort(running)  # already finished: nothing happens
+    finally:
+        engine.stop()
+    assert finished == [waiting, running, later], "each callback fires exactly once; the freed slot serves the next"
+    assert running.finish_reason == "abort" and 5 <= len(running.output_ids) < 200
+    assert running.output_ids == ids_at_abort, "no token is appended after abort() returns"
+    assert len(running.logprobs) == len(running.versions) == len(running.output_ids)
+    assert later.finish_reason == "length" and len(later.output_ids) == 4
+    assert engine.stats.sequences_aborted == 2 and engine.stats.sequences_finished == 3
+    assert engine.stats.tokens_generated == len(running.output_ids) + 4
+
+
 def test_bad_sampling_names_the_field():
     with pytest.raises(ValueError, match="top_p"):
         Sampling(top_p=0.0)

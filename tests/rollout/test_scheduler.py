@@ -76,3 +76,42 @@ def test_abort_all_finishes_everything_and_prompt_too_long_names_the_field():
     assert not s.has_work()
     with pytest.raises(ValueError, match="prompt_ids"):
         s.add(seq(prompt=range(8)))
+
+
+def test_abort_of_a_waiting_sequence_takes_it_out_of_its_queue_now():
+    s = Scheduler(max_batch=1, eos_token_id=EOS, max_context=64)
+    a, b, c = seq(), seq(), seq(priority=True)
+    for x in (a, b, c):
+        s.add(x)
+    assert s.abort(b) and s.abort(c), "waiting: finished at once, the caller reports it"
+    assert (b.status, b.finish_reason, c.finish_reason) == (Status.FINISHED, "abort", "abort")
+    assert s.num_waiting == 1 and not s.abort(b), "a finished sequence is left alone"
+    assert s.schedule() == ([a], True)
+
+
+def test_abort_of_a_running_sequence_ends_it_at_the_next_postprocess_and_frees_its_slot():
+    s = Scheduler(max_batch=2, eos_token_id=EOS, max_context=64, refill_fraction=0.5)
+    a, b, queued = seq(max_new_tokens=10), seq(max_new_tokens=10), seq()
+    for x in (a, b, queued):
+        s.add(x)
+    rows, _ = s.schedule()
+    s.postprocess(rows, [7, 7], [0.0] * 2, version=0)
+    assert not s.abort(a) and a.status is Status.RUNNING, "running: finished by the next step"
+    assert not s.abort(a), "aborting twice is one abort"
+    rows, rebuild = s.schedule()
+    assert rows == [a, b] and not rebuild
+    assert s.postprocess(rows, [8, 8], [0.0] * 2, version=0) == [a]
+    assert a.finish_reason == "abort" and a.output_ids == [7] and a.logprobs == [0.0] and a.versions == [0]
+    assert b.output_ids == [7, 8] and not s.aborting
+    rows, rebuild = s.schedule()
+    assert rebuild and rows == [b, queued], "the freed slot takes the waiting sequence"
+    assert s.postprocess(rows, [9, 9], [0.0] * 2, version=0) == [] and a.output_ids == [7]
+
+
+def test_abort_of_a_finished_sequence_changes_nothing():
+    s = Scheduler(max_batch=2, eos_token_id=EOS, max_context=64)
+    a = seq()
+    s.add(a)
+    rows, _ = s.schedule()
+    assert s.postprocess(rows, [EOS], [0.0], version=0) == [a]
+    assert not s.abort(a) and a.finish_reason == "stop" and not s.aborting

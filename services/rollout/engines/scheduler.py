@@ -4,6 +4,9 @@ No torch here, so the policy is testable without a model. The batch is static be
 a rebuild (re-prefill of every running context) happens when the batch is first formed, after a
 weight update (the KV cache is stale), when enough slots are free to admit waiting sequences, or
 when at least half the rows have finished (compaction).
+
+`abort(seq)` withdraws one sequence: a waiting one leaves its queue at once; a running one keeps its row
+until the next `postprocess`, which finishes it with reason "abort" and appends nothing more to it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.urgent: collections.deque[Sequence] = collections.deque()  # priority sequences, served first
         self.batch: list[Sequence] = []  # rows of the current KV cache, finished ones included
+        self.aborting: set[Sequence] = set()  # running sequences the next postprocess finishes with "abort"
         self.stale = True
 
     def add(self, seq: Sequence) -> None:
@@ -68,15 +72,37 @@ class Scheduler:
         for seq, token, logprob in zip(rows, tokens, logprobs, strict=True):
             if seq.status is not Status.RUNNING:
                 continue
+            if seq in self.aborting:  # its token of this step is dropped: the ids stay as they were at abort()
+                self.aborting.discard(seq)
+                self._end(seq, "abort")
+                done.append(seq)
+                continue
             seq.output_ids.append(token)
             seq.logprobs.append(logprob)
             seq.versions.append(version)
             reason = self._finish_reason(seq, token)
             if reason:
-                seq.status = Status.FINISHED
-                seq.finish_reason = reason
+                self._end(seq, reason)
                 done.append(seq)
         return done
+
+    def abort(self, seq: Sequence) -> bool:
+        """Withdraw `seq`. True: it was waiting and is finished now (the caller reports it); False: it is
+        running and the next postprocess finishes it, or it had already finished (nothing to do)."""
+        if seq.status is Status.WAITING:
+            queue = self.urgent if seq in self.urgent else self.waiting
+            if seq in queue:
+                queue.remove(seq)
+                self._end(seq, "abort")
+                return True
+        elif seq.status is Status.RUNNING:
+            self.aborting.add(seq)
+        return False
+
+    @staticmethod
+    def _end(seq: Sequence, reason: str) -> None:
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
 
     def _finish_reason(self, seq: Sequence, token: int) -> str:
         if token == self.eos_token_id or token in seq.sampling.stop_token_ids:
@@ -89,8 +115,8 @@ class Scheduler:
         aborted = list(self.urgent) + list(self.waiting) + self.running
         self.urgent.clear()
         self.waiting.clear()
+        self.aborting.clear()
         for seq in aborted:
-            seq.status = Status.FINISHED
-            seq.finish_reason = "abort"
+            self._end(seq, "abort")
         self.batch = []
         return aborted

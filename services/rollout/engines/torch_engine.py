@@ -3,7 +3,9 @@
 schedule -> execute -> postprocess, one step at a time. Generation is interruptible: `pause()`
 returns once the loop stands between two steps; the caller may then change the weights in place
 and call `resume(version)`; the next step rebuilds the KV cache under the new weights and every
-later token carries the new version, while earlier tokens keep theirs.
+later token carries the new version, while earlier tokens keep theirs. `abort(seq)` stops one sequence
+(a client went away, a stop string ended it): it frees its slot, and its callback fires once, with
+finish_reason "abort".
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from services.rollout.engines.runner import ModelRunner
 from services.rollout.engines.scheduler import Scheduler
-from services.rollout.engines.sequence import Sampling, Sequence
+from services.rollout.engines.sequence import Sampling, Sequence, Status
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -46,6 +48,7 @@ class EngineStats:
     sequences_finished: int = 0
     weight_updates: int = 0
     interrupted_sequences: int = 0
+    sequences_aborted: int = 0
     steps: int = 0
 
 
@@ -70,7 +73,9 @@ class EmbeddedEngine:
     def stop(self) -> None:
         with self._cv:
             self._stopped = True
-            for seq in self.scheduler.abort_all():
+            aborted = self.scheduler.abort_all()
+            self._count(aborted)
+            for seq in aborted:
                 self._finish(seq)
             self._cv.notify_all()
         self._thread.join(timeout=10)
@@ -91,6 +96,20 @@ class EmbeddedEngine:
             self.scheduler.add(seq)
             self._cv.notify_all()
         return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """Stop generating `seq` (any thread). Waiting: it leaves the queue now; running: the next step finishes
+        it without appending another token. Either way its callback fires once, with finish_reason "abort";
+        a sequence that already finished is left alone. From the moment this returns its ids no longer change."""
+        with self._cv:
+            if self._stopped:
+                return
+            now = self.scheduler.abort(seq)
+            if now:
+                self._count([seq])
+            self._cv.notify_all()
+        if now:
+            self._finish(seq)
 
     async def generate(self, prompt_ids: list[int], sampling: Sampling, n: int = 1) -> list[Sequence]:
         """Submit n samples of one prompt and wait for all of them."""
@@ -144,17 +163,21 @@ class EmbeddedEngine:
                     return
                 rows, rebuild = self.scheduler.schedule()
                 version = self.version
-            active = len(self.scheduler.running)
             tokens, logprobs = self.runner.run(rows, rebuild)
             with self._cv:
+                active = sum(s.status is Status.RUNNING and s not in self.scheduler.aborting for s in rows)
                 done = self.scheduler.postprocess(rows, tokens, logprobs, version)
                 self.stats.steps += 1
                 self.stats.tokens_generated += active
+                self._count(done)
             for seq in done:
                 self._finish(seq)
 
+    def _count(self, done: list[Sequence]) -> None:  # under the lock
+        self.stats.sequences_finished += len(done)
+        self.stats.sequences_aborted += sum(s.finish_reason == "abort" for s in done)
+
     def _finish(self, seq: Sequence) -> None:
-        self.stats.sequences_finished += 1
         if seq.on_finish:
             seq.on_finish(seq)
 

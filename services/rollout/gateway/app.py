@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from fastapi import FastAPI
+from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
@@ -25,11 +25,11 @@ from services.rollout.gateway.routes_rl import add_rl_routes
 
 
 def create_app(config: GatewayConfig, engine: Any, tokenizer: Any,
-               publish: Callable[[data_pb2.Trajectory], Awaitable[None]], budget: GroupBudget | None = None) -> FastAPI:
+               publish: Callable[[data_pb2.Trajectory], Awaitable[None]], budget: GroupBudget | None = None) -> Starlette:
     gateway = Gateway(config, engine, tokenizer, publish, budget)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
         stop = asyncio.Event()
         gateway.outbox.start()
         reaper = asyncio.create_task(lifecycle.reap(gateway, stop), name="gateway-reaper")
@@ -40,23 +40,21 @@ def create_app(config: GatewayConfig, engine: Any, tokenizer: Any,
             await reaper
             await lifecycle.shutdown(gateway)
 
-    app = FastAPI(title="meshrl agent gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.gateway = gateway
-
-    @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> Response:
         return error_response(exc, request.url.path)
 
-    @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
         message = {404: f"no route {request.method} {request.url.path}", 405: f"method {request.method} not allowed"}
         return error_response(ApiError(exc.status_code, message.get(exc.status_code, str(exc.detail))), request.url.path)
 
-    @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:
         get_logger().exception("gateway_unexpected_error", path=request.url.path, error=str(exc))
         return error_response(ApiError(500, f"internal error: {type(exc).__name__}"), request.url.path)
 
+    # plain Starlette: the routes parse their own bodies, so FastAPI's layers would only add per-request work
+    app = Starlette(lifespan=lifespan, exception_handlers={ApiError: api_error, HTTPException: http_error,
+                                                           Exception: unexpected})
+    app.state.gateway = gateway
     add_model_routes(app, gateway)
     add_rl_routes(app, gateway)
     return app

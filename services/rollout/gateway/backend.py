@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from typing import Any
 
@@ -14,9 +15,19 @@ from services.rollout.gateway.errors import ApiError
 class Sampled:
     """One sequence being generated; `ids()` is a snapshot while it runs, `done` once the engine finished it."""
 
-    def __init__(self, future: asyncio.Future, seq: Any = None) -> None:
+    def __init__(self, future: asyncio.Future, seq: Any = None, abort: Callable[[], None] | None = None) -> None:
         self.future = future
         self._seq = seq
+        self._abort = abort
+        self.cut = False  # the gateway stopped it (a stop string, the client left, a timeout)
+
+    def abort(self) -> None:
+        """Stop the engine generating it; with the embedded engine its ids no longer change after this."""
+        if self.cut or self.future.done():
+            return
+        self.cut = True
+        if self._abort is not None:
+            self._abort()
 
     @property
     def done(self) -> bool:
@@ -73,7 +84,8 @@ class EngineBackend:
             if hasattr(self.engine, "submit"):
                 seq = self.engine.submit(prompt_ids, sampling, lambda s, f=fut: loop.call_soon_threadsafe(_resolve, f, s),
                                          priority=True)  # an agent waits on it: ahead of queued rollout work
-                out.append(Sampled(fut, seq))
+                abort = getattr(self.engine, "abort", None)
+                out.append(Sampled(fut, seq, functools.partial(abort, seq) if abort else None))
             else:  # an engine with only `generate`: no snapshots, the text arrives when the sequence is done
                 task = asyncio.ensure_future(self.engine.generate(prompt_ids, sampling, 1))
                 task.add_done_callback(lambda t, f=fut: _chain(t, f))

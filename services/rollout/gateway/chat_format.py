@@ -38,7 +38,9 @@ class ChatFormat:
             if name in vocab:
                 stops.add(vocab[name])
         self.stop_token_ids = frozenset(stops)
+        self._backend = None
         self.end_marker, self.end_marker_ids = self._probe_end_marker()
+        self._backend = _direct_backend(tokenizer, self._probe_texts())
 
     # rendering ---------------------------------------------------------------------------------------
     def render(self, messages: list[Message], tools: list[Tool], *, add_generation_prompt: bool = True,
@@ -52,9 +54,15 @@ class ChatFormat:
         return text if isinstance(text, str) else str(text)
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+        if not text:
+            return []
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=True)
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def token_text(self, token_id: int) -> str:
@@ -66,6 +74,10 @@ class ChatFormat:
         return _hermes_fallback(messages, tools), None
 
     # probing -------------------------------------------------------------------------------------------
+    def _probe_texts(self) -> list[str]:
+        specials = "".join(self.token_text(t) for t in sorted(self.stop_token_ids))
+        return [f"{specials}user\n2 + 2 = ? \u00e9\u4e16 \U0001f600{self.end_marker}\nassistant\n", f" Four.\n\n  \t{specials}x"]
+
     def _probe_end_marker(self) -> tuple[str, list[int]]:
         user = Message(role="user", content="ping")
         text = self.render([user, Message(role="assistant", content=_SENTINEL)], [], add_generation_prompt=False)
@@ -119,3 +131,22 @@ def _hermes_fallback(messages: list[Message], tools: list[Tool]) -> list[dict]:
     for m in out:
         m.pop("_tool", None)
     return out
+
+
+def _direct_backend(tokenizer: Any, probes: list[str]) -> Any:
+    """The Rust `tokenizers.Tokenizer` behind a fast Hugging Face tokenizer, when calling it directly gives the
+    same ids and text as the wrapper (no truncation, padding, special-token splitting or clean-up, checked on
+    probes): it skips the wrapper's per-call Python work, which is most of what a short prompt costs."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not all(hasattr(backend, a) for a in ("encode", "decode", "truncation", "padding")):
+        return None
+    if backend.truncation or backend.padding or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    if getattr(backend, "encode_special_tokens", False) != bool(getattr(tokenizer, "split_special_tokens", False)):
+        return None
+    for text in probes:
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        if backend.encode(text, add_special_tokens=False).ids != ids or \
+                backend.decode(ids, skip_special_tokens=True) != tokenizer.decode(ids, skip_special_tokens=True):
+            return None
+    return backend

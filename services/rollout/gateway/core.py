@@ -213,7 +213,8 @@ def _gauge(capacity: int | None) -> float:
 
 
 def _lists(s: Sampled) -> tuple[list[int], list[float], list[int]]:
-    """ids / log-probs / versions; a sequence a stop string ended early is still running, so align its lists."""
+    """ids / log-probs / versions; a sequence a stop string ended early may still be in the engine (aborted, not
+    yet finished, or an engine without abort), so align its lists."""
     seq = s.result() if s.done else s.running
     n = len(seq.output_ids)
     while len(seq.logprobs) < n or len(seq.versions) < n:
@@ -222,8 +223,8 @@ def _lists(s: Sampled) -> tuple[list[int], list[float], list[int]]:
 
 
 def _finish_reason(s: Sampled) -> str:
-    if not s.done:
-        return ""  # still running: ended early by a stop string
+    if s.cut or not s.done:
+        return ""  # ended early by a stop string (the gateway aborted it, or it is still running)
     reason = s.result().finish_reason
     if reason == "abort":
         raise ApiError(503, "the engine stopped before the generation finished")

@@ -64,4 +64,4 @@ def replay_key(request: Request, raw: bytes) -> ReplayKey:
     if idem:
         return ReplayKey("idem:" + idem, True)
     retries = request.headers.get("x-stainless-retry-count", "0")
-    return ReplayKey(request_digest(request.url.path, raw), retries.isdigit() and int(retries) > 0)
+    return ReplayKey(request_digest(request.scope["path"], raw), retries.isdigit() and int(retries) > 0)

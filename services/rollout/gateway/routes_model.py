@@ -6,7 +6,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI
+from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
@@ -15,10 +15,26 @@ from services.rollout.gateway.core import Gateway
 from services.rollout.gateway.errors import ApiError, Dialect, error_body
 from services.rollout.gateway.http import SSE_HEADERS, api_key, json_response, read_json, replay_key
 from services.rollout.gateway.openai_parse import parse_chat, parse_completions
+from services.rollout.gateway.runs import Run
 from services.rollout.gateway.tokens import chat_prompt
 
 
-def sse(body: AsyncIterator[bytes], dialect: Dialect = "openai") -> StreamingResponse:
+class RunStream(StreamingResponse):
+    """An event stream of one run; when the response ends before the run (the client disconnected), the run is
+    abandoned: its sequences are aborted in the engine and nothing is recorded."""
+
+    def __init__(self, body: AsyncIterator[bytes], run: Run) -> None:
+        super().__init__(body, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.run = run
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.run.abandon()  # a no-op once the run has finished
+
+
+def sse(run: Run, body: AsyncIterator[bytes], dialect: Dialect = "openai") -> StreamingResponse:
     """An event stream; an error after the headers went out (the engine stopped) ends it with an error event."""
     async def guarded() -> AsyncIterator[bytes]:
         try:
@@ -28,10 +44,10 @@ def sse(body: AsyncIterator[bytes], dialect: Dialect = "openai") -> StreamingRes
             data = json.dumps(error_body(err, dialect))
             yield (f"event: error\ndata: {data}\n\n" if dialect == "anthropic" else f"data: {data}\n\n").encode()
 
-    return StreamingResponse(guarded(), media_type="text/event-stream", headers=SSE_HEADERS)
+    return RunStream(guarded(), run)
 
 
-def add_model_routes(app: FastAPI, gw: Gateway) -> None:
+def add_model_routes(app: Starlette, gw: Gateway) -> None:
     cfg = gw.config
     started = int(time.time())
 
@@ -41,7 +57,7 @@ def add_model_routes(app: FastAPI, gw: Gateway) -> None:
         req = parse_chat(body, max_n=cfg.max_n, strict=cfg.reject_unknown_params)
         run = await gw.run(req, caller, replay_key(request, raw))
         if req.stream:
-            return sse(openai_render.chat_stream(run, req.n, req.model, gw.backend.version, gw.fmt,
+            return sse(run, openai_render.chat_stream(run, req.n, req.model, gw.backend.version, gw.fmt,
                                                  logprobs=req.logprobs, include_usage=req.include_usage))
         return json_response(openai_render.chat_response(await run.finish(), gw.fmt, logprobs=req.logprobs))
 
@@ -51,7 +67,7 @@ def add_model_routes(app: FastAPI, gw: Gateway) -> None:
         req = parse_completions(body, max_n=cfg.max_n, strict=cfg.reject_unknown_params)
         run = await gw.run(req, caller, replay_key(request, raw))
         if req.stream:
-            return sse(openai_render.completions_stream(run, req.model, gw.fmt, logprobs=req.logprobs,
+            return sse(run, openai_render.completions_stream(run, req.model, gw.fmt, logprobs=req.logprobs,
                                                         include_usage=req.include_usage))
         return json_response(openai_render.completions_response(await run.finish(), gw.fmt, logprobs=req.logprobs))
 
@@ -61,7 +77,7 @@ def add_model_routes(app: FastAPI, gw: Gateway) -> None:
         req = responses_api.parse_responses(body, strict=cfg.reject_unknown_params)
         run = await gw.run(req, caller, replay_key(request, raw))
         if req.stream:
-            return sse(responses_api.response_stream(req, run, req.model))
+            return sse(run, responses_api.response_stream(req, run, req.model))
         c = await run.finish()
         return json_response(responses_api.response_object(req, c.id, c.created, req.model, c))
 
@@ -71,7 +87,7 @@ def add_model_routes(app: FastAPI, gw: Gateway) -> None:
         req = anthropic_api.parse_messages(body, strict=cfg.reject_unknown_params)
         run = await gw.run(req, caller, replay_key(request, raw))
         if req.stream:
-            return sse(anthropic_api.message_stream(run, req.model), "anthropic")
+            return sse(run, anthropic_api.message_stream(run, req.model), "anthropic")
         return json_response(anthropic_api.message_response(await run.finish()))
 
     async def count_tokens(request: Request) -> Response:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from fastapi import FastAPI
+from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -18,7 +18,7 @@ from services.rollout.gateway.session import Session
 _START_KEYS = frozenset({"task_id", "group_size", "api_key", "metadata"})
 
 
-def add_rl_routes(app: FastAPI, gw: Gateway) -> None:
+def add_rl_routes(app: Starlette, gw: Gateway) -> None:
     cfg = gw.config
     idempotent: dict[str, tuple[float, dict]] = {}
 

@@ -59,6 +59,9 @@ class Run:
         assert self.completion is not None
         return self.completion
 
+    def abandon(self) -> None:
+        """The client went away before the end: stop generating; nothing is recorded."""
+
 
 class ReplayRun(Run):
     """The first attempt's finished result, served again to an SDK retry."""
@@ -74,8 +77,9 @@ class ReplayRun(Run):
 
 class LiveRun(Run):
     """Sequences in the engine. A background task submits them and drives them to the end, even if the client
-    goes away. Submitting from that task, after the request handler has done its work, keeps the event loop
-    quiet (and off the GIL) while the engine thread computes."""
+    goes away. Submitting from that task, after the request handler has done its work (for a stream: once its
+    head has gone out and the client reads deltas), keeps the event loop quiet (and off the GIL) while the
+    engine thread computes."""
 
     def __init__(self, completion_id: str, created: int, prompt: Prompt, submit: Callable[[], list[Sampled]],
                  decoders: list[ChoiceDecoder], *, stream: bool, poll_s: float, timeout_s: float,
@@ -87,6 +91,7 @@ class LiveRun(Run):
         self._pairs: list[tuple[Sampled, ChoiceDecoder]] = []
         self._snapshots = stream or any(d.needs_snapshots for d in decoders)
         self._queue: asyncio.Queue | None = asyncio.Queue() if stream else None
+        self._reading = asyncio.Event()  # a stream's consumer has started reading deltas
         self._poll_s = poll_s
         self._deadline = time.monotonic() + timeout_s
         self._finalize = finalize
@@ -98,6 +103,7 @@ class LiveRun(Run):
         if self._queue is None:
             self.completion = await asyncio.shield(self.task)
             return
+        self._reading.set()
         while True:
             item = await self._queue.get()
             if item is END:
@@ -107,8 +113,14 @@ class LiveRun(Run):
             yield item
         self.completion = await asyncio.shield(self.task)
 
+    def abandon(self) -> None:
+        if not self.task.done():
+            self.task.cancel()  # _drive aborts the sequences on its way out
+
     async def _drive(self) -> Completion:
         try:
+            if self._queue is not None:  # the stream's head first, not in contention with the engine's prefill
+                await asyncio.wait_for(self._reading.wait(), max(0.0, self._deadline - time.monotonic()))
             self._pairs = list(zip(self._submit(), self._decoders, strict=True))
             while True:
                 waiting = [s.future for s, d in self._pairs if not d.finished and not s.done]
@@ -123,12 +135,16 @@ class LiveRun(Run):
                         events = d.update(s.ids(), s.done)
                         if events and self._queue is not None:
                             self._queue.put_nowait((d.index, events))
+                        if d.finished and not s.done:
+                            s.abort()  # a stop string ended the text: the engine stops too, the ids stay as read
                 if all(d.finished for _, d in self._pairs):
                     break
             completion = self._finalize(self._pairs)
             self.completion = completion
             return completion
         except BaseException as exc:
+            for s, _ in self._pairs:  # a timeout, the client gone, an error: free the engine's slots
+                s.abort()
             if self._queue is not None:
                 self._queue.put_nowait(exc if isinstance(exc, Exception) else ApiError(503, "generation cancelled"))
             raise

@@ -8,7 +8,7 @@ import ipaddress
 from collections.abc import Iterator
 
 import uvicorn
-from fastapi import FastAPI
+from starlette.applications import Starlette
 
 from services.common.logging import get_logger
 from services.rollout.gateway.config import DEV_ADMIN_KEY, GatewayConfig
@@ -29,7 +29,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-async def serve_gateway(app: FastAPI, config: GatewayConfig, stop: asyncio.Event) -> None:
+async def serve_gateway(app: Starlette, config: GatewayConfig, stop: asyncio.Event) -> None:
     if config.admin_key == DEV_ADMIN_KEY and not is_loopback(config.host):
         raise ValueError(f"admin_key: the development default may only serve on loopback, not {config.host!r}; "
                          "set MESHRL_ADMIN_KEY")
@@ -49,7 +49,7 @@ async def serve_gateway(app: FastAPI, config: GatewayConfig, stop: asyncio.Event
     get_logger().info("gateway_stopped")
 
 
-async def wait_started(app: FastAPI, timeout: float = 10.0) -> int:
+async def wait_started(app: Starlette, timeout: float = 10.0) -> int:
     """The bound port once uvicorn listens (useful with port 0)."""
     async with asyncio.timeout(timeout):
         while getattr(app.state, "port", None) is None:

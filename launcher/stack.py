@@ -33,7 +33,8 @@ def random_ports() -> dict[str, int]:
 
 
 # name -> scripts/bootstrap_model.py flags; the agents' model starts higher so sampled groups carry signal
-MODELS = {"tiny-qwen3": [], "tiny-qwen3-chat": ["--chat", "--band", "0.3", "0.45"]}
+MODELS = {"tiny-qwen3": [], "tiny-qwen3-chat": ["--chat", "--band", "0.3", "0.45"],
+          "tiny-qwen3-tools": ["--tools", "--band", "0.3", "0.5", "--eval-every", "25"]}
 
 
 def ensure_model(name: str, seed: int) -> pathlib.Path:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +15,9 @@ from tests.gateway.harness import ADMIN, GatewayServer
 from tests.gateway.policies import arithmetic_replies, scripted_engine
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "agents"
+sys.path[:0] = [str(EXAMPLES), str(EXAMPLES.parents[1] / "scripts")]
+import common  # noqa: E402  (examples/agents/common.py)
+import tool_episodes  # noqa: E402  (scripts/tool_episodes.py)
 AGENTS = ["openai_calculator_agent.py", "anthropic_calculator_agent.py"]
 
 
@@ -45,3 +50,32 @@ def test_example_agent_calls_the_tool_and_earns_its_reward(solver_gw, script):
 def test_example_agent_runs_on_a_random_policy_with_a_fixed_key(random_gw, script):
     episodes = run_agent(random_gw, script, "--episodes", "2", "--max-tokens", "16", "--api-key", f"fixed-{script}")
     assert len(episodes) == 2 and all(e["trajectories"] == 1 for e in episodes)
+
+
+def warm_start_replies(prompt: str, forced: str = "") -> str:
+    """The episodes scripts/tool_episodes.py teaches: its tool-call text, then 'Answer: <result>'."""
+    results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", prompt, flags=re.S)
+    if results:
+        return f"Answer: {results[-1].strip()}"
+    return tool_episodes.tool_call_text(tool_episodes.expression(re.findall(r"What is .+?\?", prompt)[-1]))
+
+
+@pytest.mark.parametrize("script", AGENTS)
+def test_tool_warm_start_teaches_the_tokens_the_gateway_records(tok, script):
+    """The SFT demonstrations of `bootstrap_model.py --tools` are token for token the trajectories the gateway
+    exports for the same episode, loss mask included: what the warm start teaches is what RL then trains."""
+    server = GatewayServer(scripted_engine(tok, warm_start_replies), tok).start()
+    try:
+        episodes = run_agent(server, script, "--episodes", "3", "--group-size", "1", "--parallel", "3",
+                             "--max-tokens", "96", "--seed", "7")
+        assert [e["reward"] for e in episodes] == [1.0] * 3
+        rng = random.Random(7)  # the agent's --seed: the same three tasks
+        questions = {t[0]: t for t in (common.task(rng) for _ in range(3))}
+        assert len(server.published) == 3
+        for traj in server.published:
+            _, question, expected = questions[traj.task_id]
+            ids, labels = tool_episodes.demonstration(tok, question, expected)
+            assert list(traj.prompt_ids) + list(traj.completion_ids) == ids
+            assert [0] * len(traj.prompt_ids) + list(traj.loss_mask) == [int(x != -100) for x in labels]
+    finally:
+        server.stop()

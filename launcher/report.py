@@ -124,6 +124,10 @@ def write_report(stack, events: EventLog, run_dir: pathlib.Path, *, plan: dict, 
         "status": status,
     }
     if plan.get("agents"):
+        rewards = [r.get("reward_mean", 0.0) for r in trained]
+        quarter = max(1, len(rewards) // 4)
+        summary["agent_reward_first_quarter"] = sum(rewards[:quarter]) / quarter if rewards else None
+        summary["agent_reward_last_quarter"] = sum(rewards[-quarter:]) / quarter if rewards else None
         summary["agent_reward_curve"] = [{"version": r["version"], "reward_mean": r.get("reward_mean", 0.0)}
                                          for r in trained]
     if trained or evals:

@@ -61,7 +61,8 @@ class StalenessBudget:
 class OnlineBudget:
     """The budget the builder announces to the gateway (source: online), in groups.
 
-    limit = (version + eta + 1) * batch_size; `released` counts online groups dropped stale (each frees a slot),
+    limit = (version + eta + 1) * batch_size with the *deployed* version: a group the gateway admits now samples
+    at the weights the rollout serves, which lag the trainer's by a sync. `released` counts online groups dropped stale (each frees a slot),
     `arrived` the online groups received whole. Every announcement has its own event id (the bus dedupe key).
     """
 

@@ -223,14 +223,14 @@ class Builder:
     async def handle_version(self, event: data_pb2.VersionEvent) -> None:
         if event.kind == data_pb2.VERSION_KIND_TRAINED:
             self.budget.on_version(event.version)
-            if self.online is not None:
-                self.online.on_version(event.version)
-                await self.publish_budget()
             total = self.config.total_steps
             if self.config.source == "online" and total and event.version >= total and not self.finished.is_set():
                 await self._publish_run_end(event.version, {})
         elif event.kind == data_pb2.VERSION_KIND_DEPLOYED:
             self.deployed_version = max(self.deployed_version, event.version)
+            if self.online is not None:  # new agent groups sample at the deployed version, not the trained one
+                self.online.on_version(event.version)
+                await self.publish_budget()
         self.changed.set()
 
     def start(self, stop: asyncio.Event) -> list[asyncio.Task]:

@@ -67,7 +67,11 @@ async def test_online_builder_announces_start_versions_and_stale_releases(nats_s
                                                   "eta": 0.0, "batch_size": 2.0})
         trained = data_pb2.VersionEvent(event_id="trained-1", version=1, kind=data_pb2.VERSION_KIND_TRAINED)
         await bus.publish(SUBJECT_VERSIONS, trained, trained.event_id)
-        await until(lambda: len(budgets()) == 2, "the announcement after version 1")
+        await asyncio.sleep(0.5)
+        assert len(budgets()) == 1, "trained but not deployed: new groups would still sample version 0"
+        deployed = data_pb2.VersionEvent(event_id="deployed-1", version=1, kind=data_pb2.VERSION_KIND_DEPLOYED)
+        await bus.publish(SUBJECT_VERSIONS, deployed, deployed.event_id)
+        await until(lambda: len(budgets()) == 2, "the announcement after version 1 is deployed")
         assert budgets()[1][:2] == ("budget-1-0", 1) and budgets()[1][2]["limit_groups"] == 4.0
 
         for gid in ("a", "b"):  # fresh for batch 0: trained, no release
@@ -81,7 +85,7 @@ async def test_online_builder_announces_start_versions_and_stale_releases(nats_s
         assert metrics["released_groups"] == 2.0 and metrics["arrived_groups"] == 4.0 and metrics["limit_groups"] == 4.0
         assert builder.dropped_stale == 2 and builder.batches_published == 1
 
-        await bus.publish(SUBJECT_VERSIONS, trained, "trained-1-again")  # a redelivered version: same id, deduped
+        await bus.publish(SUBJECT_VERSIONS, deployed, "deployed-1-again")  # a repeated version: same id, deduped
         await asyncio.sleep(0.5)
         assert len(budgets()) == 3
     finally:

@@ -45,8 +45,8 @@ def arguments(description: str) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="meshrl-policy")
     p.add_argument("--task", choices=sorted(TASKS), default="calculator",
-                   help="calculator: multi-turn with the calculator tool; addition: 'a+b=' answered directly "
-                        "(what the tiny model trained by `make run-agent` can learn)")
+                   help="calculator: multi-turn with the calculator tool (make run-agent); addition: 'a+b=' answered "
+                        "in one turn without tools")
     args = p.parse_args()
     if args.api_key and args.parallel > 1:
         p.error("--parallel: a fixed --api-key plays one episode at a time (starting it again ends the last one)")

@@ -11,13 +11,11 @@ import dataclasses
 
 
 @dataclasses.dataclass
-class StalenessBudget:
+class _Window:
+    """(version + eta + 1) * batch_size groups: what may exist before the batch at `version` + eta is formed."""
     batch_size: int
     max_staleness: int
     version: int = 0
-    accepted: int = 0
-    in_flight: int = 0
-    dropped: int = 0
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -28,6 +26,16 @@ class StalenessBudget:
     @property
     def limit(self) -> int:
         return (self.version + self.max_staleness + 1) * self.batch_size
+
+    def on_version(self, version: int) -> None:
+        self.version = max(self.version, version)
+
+
+@dataclasses.dataclass
+class StalenessBudget(_Window):
+    accepted: int = 0
+    in_flight: int = 0
+    dropped: int = 0
 
     def capacity(self) -> int:
         return max(0, self.limit - (self.accepted + self.in_flight))
@@ -53,41 +61,23 @@ class StalenessBudget:
         self.accepted -= 1
         self.dropped += 1
 
-    def on_version(self, version: int) -> None:
-        self.version = max(self.version, version)
-
 
 @dataclasses.dataclass
-class OnlineBudget:
+class OnlineBudget(_Window):
     """The budget the builder announces to the gateway (source: online), in groups.
 
-    limit = (version + eta + 1) * batch_size with the *deployed* version: a group the gateway admits now samples
-    at the weights the rollout serves, which lag the trainer's by a sync. `released` counts online groups dropped stale (each frees a slot),
-    `arrived` the online groups received whole. Every announcement has its own event id (the bus dedupe key).
+    `version` is the *deployed* one: a group the gateway admits now samples at the weights the rollout
+    serves, which lag the trainer's by a sync. `released` counts online groups dropped stale (each frees a
+    slot), `arrived` the online groups received whole. Every announcement has its own event id (the bus
+    dedupe key).
     """
 
-    batch_size: int
-    max_staleness: int
-    version: int = 0
     released: int = 0
     arrived: int = 0
-
-    def __post_init__(self) -> None:
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size: must be >= 1, got {self.batch_size}")
-        if self.max_staleness < 0:
-            raise ValueError(f"max_staleness: must be >= 0, got {self.max_staleness}")
-
-    @property
-    def limit(self) -> int:
-        return (self.version + self.max_staleness + 1) * self.batch_size
 
     @property
     def event_id(self) -> str:
         return f"budget-{self.version}-{self.released}"
-
-    def on_version(self, version: int) -> None:
-        self.version = max(self.version, version)
 
     def metrics(self) -> dict[str, float]:
         return {"limit_groups": float(self.limit), "released_groups": float(self.released),

@@ -17,10 +17,15 @@ TEXT = "one two three four STOP five six seven. "
 MAX_TOKENS = 3000
 
 
-def endless_engine(tok) -> RecordingEngine:
-    """A policy that never ends a turn: TEXT over and over, one token per step."""
+def endless_engine(tok, step_s: float = 0.0) -> RecordingEngine:
+    """A policy that never ends a turn: TEXT over and over, one token per step (each taking at least step_s)."""
     cycle = tok.encode(TEXT, add_special_tokens=False)
-    model = ScriptedLM(padded_vocab_size(tok), lambda ctx: cycle[len(ctx) % len(cycle)])
+
+    def next_token(ctx: list[int]) -> int:
+        time.sleep(step_s)
+        return cycle[len(ctx) % len(cycle)]
+
+    model = ScriptedLM(padded_vocab_size(tok), next_token)
     return RecordingEngine(model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, max_batch=8,
                            max_context=4096, seed=0)
 
@@ -87,7 +92,8 @@ def test_a_client_leaving_mid_stream_aborts_generation_and_records_nothing(gw):
 
 
 def test_a_request_timeout_aborts_generation(tok):
-    gw = GatewayServer(endless_engine(tok), tok, request_timeout_s=0.3).start()
+    # 1 ms a token: the 3000 tokens take at least 3 s, ten times the timeout, however fast the machine
+    gw = GatewayServer(endless_engine(tok, step_s=0.001), tok, request_timeout_s=0.3).start()
     try:
         s = gw.start_session()
         r = httpx.post(gw.url + "/v1/chat/completions", json=body(), headers=headers(s["api_key"]),

@@ -1,9 +1,11 @@
 """Pure scheduling: which sequences form the running batch, and what a sampled token does to them.
 
-No torch here, so the policy is testable without a model. The batch is static between rebuilds:
-a rebuild (re-prefill of every running context) happens when the batch is first formed, after a
-weight update (the KV cache is stale), when enough slots are free to admit waiting sequences, or
-when at least half the rows have finished (compaction).
+No torch here, so the policy is testable without a model. Each step is a `Step`: either a prefill of
+every row's full context (the first batch, or after a weight update made the KV cache stale), or a
+decode of the rows kept from the previous batch plus a prefill of the rows admitted at its end, whose
+KV is merged into the cache; running rows are never re-prefilled to admit new ones. Finished rows are
+dropped from the cache when sequences are admitted or once they are half the batch. Ordinary work is
+admitted when a quarter of the slots are free (fewer, larger prefills), priority work at the first free slot.
 
 `abort(seq)` withdraws one sequence: a waiting one leaves its queue at once; a running one keeps its row
 until the next `postprocess`, which finishes it with reason "abort" and appends nothing more to it.
@@ -12,8 +14,17 @@ until the next `postprocess`, which finishes it with reason "abort" and appends 
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 from services.rollout.engines.sequence import Sequence, Status
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    rows: list[Sequence]        # the batch after this step, in KV-cache row order
+    prefill: bool               # True: rebuild every row's KV from its full context
+    keep: tuple[int, ...] = ()  # (decode) rows of the previous batch kept, in order; they decode one token
+    new: int = 0                # (decode) rows appended after them: prefilled and merged into the cache
 
 
 class Scheduler:
@@ -49,21 +60,26 @@ class Scheduler:
         """The weights changed: the next step must rebuild the KV cache."""
         self.stale = True
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """Returns (rows, rebuild). rebuild=True: prefill every row's full context; else decode one token."""
+    def schedule(self) -> Step:
         running = self.running
         free = self.max_batch - len(running)
-        finished_rows = len(self.batch) - len(running)
-        admit = (self.urgent and free > 0) or (self.waiting and (free >= self.refill_slots or not running))
-        if self.stale or admit or (finished_rows and finished_rows * 2 >= len(self.batch)):
-            while self.num_waiting and len(running) < self.max_batch:
+        admitted: list[Sequence] = []
+        if self.stale or (self.urgent and free > 0) or (self.waiting and (free >= self.refill_slots or not running)):
+            while self.num_waiting and len(running) + len(admitted) < self.max_batch:
                 seq = (self.urgent or self.waiting).popleft()
                 seq.status = Status.RUNNING
-                running.append(seq)
-            self.batch = running
+                admitted.append(seq)
+        if self.stale or not running:
+            self.batch = running + admitted
             self.stale = False
-            return self.batch, True
-        return self.batch, False
+            return Step(self.batch, prefill=True)
+        finished_rows = len(self.batch) - len(running)
+        if finished_rows and (admitted or finished_rows * 2 >= len(self.batch)):
+            keep = tuple(i for i, s in enumerate(self.batch) if s.status is Status.RUNNING)
+        else:
+            keep = tuple(range(len(self.batch)))
+        self.batch = [self.batch[i] for i in keep] + admitted
+        return Step(self.batch, prefill=False, keep=keep, new=len(admitted))
 
     def postprocess(self, rows: list[Sequence], tokens: list[int], logprobs: list[float], version: int) -> list[Sequence]:
         """Append each row's sampled token; returns the sequences that finished on this step."""
@@ -110,6 +126,16 @@ class Scheduler:
         if len(seq.output_ids) >= seq.sampling.max_new_tokens or len(seq.context) >= self.max_context:
             return "length"
         return ""
+
+    def fail_batch(self) -> list[Sequence]:
+        """The model step failed: end the running rows with "abort" (waiting work stays) and start afresh."""
+        failed = self.running
+        for seq in failed:
+            self._end(seq, "abort")
+        self.aborting.clear()
+        self.batch = []
+        self.stale = True
+        return failed
 
     def abort_all(self) -> list[Sequence]:
         aborted = list(self.urgent) + list(self.waiting) + self.running

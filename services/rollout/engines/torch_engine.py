@@ -17,6 +17,7 @@ import threading
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from services.common.logging import get_logger
 from services.rollout.engines.runner import ModelRunner
 from services.rollout.engines.scheduler import Scheduler
 from services.rollout.engines.sequence import Sampling, Sequence, Status
@@ -161,9 +162,19 @@ class EmbeddedEngine:
                 self._paused = False
                 if self._stopped:
                     return
-                rows, rebuild = self.scheduler.schedule()
-                version = self.version
-            tokens, logprobs = self.runner.run(rows, rebuild)
+                step = self.scheduler.schedule()
+                rows, version = step.rows, self.version
+            try:
+                tokens, logprobs = self.runner.run(step)
+            except Exception:  # a failed step must not take the engine down with every caller waiting on it
+                get_logger().exception("engine_step_failed", rows=len(rows), prefill=step.prefill)
+                self.runner.drop_cache()
+                with self._cv:
+                    failed = self.scheduler.fail_batch()
+                    self._count(failed)
+                for seq in failed:
+                    self._finish(seq)
+                continue
             with self._cv:
                 active = sum(s.status is Status.RUNNING and s not in self.scheduler.aborting for s in rows)
                 done = self.scheduler.postprocess(rows, tokens, logprobs, version)

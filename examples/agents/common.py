@@ -15,6 +15,7 @@ import operator
 import os
 import random
 import re
+import sys
 import threading
 import urllib.request
 from collections.abc import Callable
@@ -146,9 +147,12 @@ def play(args: argparse.Namespace, make_client, episode) -> None:
         ended = finish(args, key, value)
         with lock:
             rewards.append(value)
-            print(json.dumps({"episode": len(rewards), "task_id": task_id, "turns": turns, "tool_calls": tools,
-                              "reward": value, "mean_reward_last_20": sum(rewards[-20:]) / len(rewards[-20:]),
-                              "trajectories": ended.get("trajectories")}), flush=True)
+            record = {"episode": len(rewards), "task_id": task_id, "turns": turns, "tool_calls": tools,
+                      "reward": value, "mean_reward_last_20": sum(rewards[-20:]) / len(rewards[-20:]),
+                      "trajectories": ended.get("trajectories")}
+            # one write with its newline: agents sharing a log file (make run-agent) never split each other's lines
+            sys.stdout.write(json.dumps(record) + "\n")
+            sys.stdout.flush()
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.parallel) as pool:
         pending: set[concurrent.futures.Future] = set()

@@ -13,7 +13,8 @@ from pathlib import Path
 from anthropic import Anthropic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SYSTEM, TOOLS as OPENAI_TOOLS, arguments, play, run_tool  # noqa: E402
+from common import SYSTEM, arguments, play, run_tool  # noqa: E402
+from common import TOOLS as OPENAI_TOOLS
 
 TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
           "input_schema": t["function"]["parameters"]} for t in OPENAI_TOOLS]

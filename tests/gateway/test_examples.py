@@ -18,6 +18,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "agents"
 sys.path[:0] = [str(EXAMPLES), str(EXAMPLES.parents[1] / "scripts")]
 import common  # noqa: E402  (examples/agents/common.py)
 import tool_episodes  # noqa: E402  (scripts/tool_episodes.py)
+
 AGENTS = ["openai_calculator_agent.py", "anthropic_calculator_agent.py"]
 
 

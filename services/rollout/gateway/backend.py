@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 from services.rollout.engines.sequence import Sampling

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -111,8 +112,8 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
-    past = out.past_key_values
+    cache = DynamicCache()
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
     logits = out.logits[:, -1, :]
     next_pos = pos[:, -1:] + 1
     done = torch.zeros(b, dtype=torch.bool)
@@ -140,9 +141,7 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
         if bool(done.all()):
             break
         mask = torch.cat([mask, torch.ones((b, 1), dtype=torch.long)], dim=-1)
-        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos, past_key_values=past,
-                    use_cache=True)
-        past = out.past_key_values
+        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos, cache=cache, use_cache=True)
         logits = out.logits[:, -1, :]
         next_pos = next_pos + 1
     return comp, lps

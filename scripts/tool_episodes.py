@@ -50,6 +50,10 @@ def tool_call_text(expr: str) -> str:
     return '<tool_call>{"name": "calculator", "arguments": ' + json.dumps({"expression": expr}) + "}</tool_call>"
 
 
+def _messages(question: str) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
 def first_prompt(tokenizer, question: str) -> list[int]:
     return tokenizer.apply_chat_template(_messages(question), tools=TOOLS, tokenize=True, add_generation_prompt=True,
                                          return_dict=False)
@@ -119,10 +123,3 @@ def greedy_success(model, tokenizer, tasks: list[tuple[str, str, float]], genera
                         for i, ids in zip(idx, c2, strict=True))
     model.train(was_training)
     return wins / max(len(tasks), 1)
-
-
-__all__ = ["SYSTEM", "demonstration", "greedy_success", "split"]
-
-
-def _messages(question: str) -> list[dict]:
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]

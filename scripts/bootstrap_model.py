@@ -1,11 +1,14 @@
 """Build the tiny Qwen3 model + character tokenizer, SFT-warm-start it, save a Hugging Face directory.
 
     python scripts/bootstrap_model.py --out artifacts/models/tiny-add --seed 0
+    python scripts/bootstrap_model.py --out artifacts/models/tiny-tools --tools --band 0.3 0.5 --eval-every 25
 
-SFT trains on demonstrations from the train split (loss on completion tokens + EOS only) and stops
-as soon as greedy accuracy on the held-out eval split enters the target band (default 25-45%), so
-RL starts from a model that is partly right. Prints one JSON line: held-out accuracy, steps, seconds.
-Deterministic per seed (CPU, fixed thread count).
+SFT trains on demonstrations from the train split (loss on completion tokens + the end of turn only) and
+stops as soon as greedy accuracy on the held-out split reaches the band's lower end (default 15%), so RL
+starts from a model that is partly right. The curriculum is integer addition (raw text, or through the
+chat template with --chat) or, with --tools, the example calculator agent's two-turn tool-using episodes
+(scripts/tool_episodes.py). Prints one JSON line: held-out accuracy, steps, seconds. Deterministic per
+seed (CPU, fixed thread count).
 """
 
 from __future__ import annotations

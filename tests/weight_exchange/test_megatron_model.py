@@ -22,17 +22,23 @@ pytest.importorskip("megatron.core")
 PADDING_ONLY = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
-def build(tmp_path, model: str, side_text: str) -> None:
-    side = parse_side(side_text)
+def launch(tmp_path, model: str, side, args: list[str]) -> list[str]:
+    """Runs every rank on one rendezvous port; returns the failed ranks' stderr tails."""
     port = free_port()
-    args = [f"--{k}={side.get(k)}" for k in ("tp", "pp", "ep")]
-    args.append(f"--etp={side.sizes.get('etp', side.get('tp'))}")
     procs = [subprocess.Popen([sys.executable, "-m", "tests.weight_exchange.megatron_proc", f"--rank={r}",
                                f"--world={side.world}", f"--port={port}", f"--model={model}", f"--out={tmp_path}",
                                *args], cwd=ROOT, stderr=subprocess.PIPE, text=True) for r in range(side.world)]
-    for p in procs:
-        _, err = p.communicate(timeout=240)
-        assert p.returncode == 0, err[-3000:]
+    return [err[-3000:] for p in procs for _, err in [p.communicate(timeout=240)] if p.returncode != 0]
+
+
+def build(tmp_path, model: str, side_text: str) -> None:
+    side = parse_side(side_text)
+    args = [f"--{k}={side.get(k)}" for k in ("tp", "pp", "ep")]
+    args.append(f"--etp={side.sizes.get('etp', side.get('tp'))}")
+    failures = launch(tmp_path, model, side, args)
+    if any("EADDRINUSE" in err for err in failures):  # the free port was taken before rank 0 bound it: once more
+        failures = launch(tmp_path, model, side, args)
+    assert not failures, failures[0]
     spec = model_spec(model)
     for r in range(side.world):
         real = json.loads((tmp_path / f"rank{r}.json").read_text())

@@ -43,9 +43,10 @@ def ensure_model(name: str, seed: int) -> pathlib.Path:
         raise ValueError(f"model: unknown {name!r} (known: {', '.join(MODELS)})")
     path = ROOT / "artifacts" / "models" / f"{name}-seed{seed}"
     if not (path / "model.safetensors").exists():
-        print(f"building {path.relative_to(ROOT)} (tokenizer, model, SFT warm start)...", file=sys.stderr)
+        print(f"building {path.relative_to(ROOT)} (tokenizer, model, SFT warm start; one line per held-out "
+              "evaluation)...", file=sys.stderr)
         subprocess.run([sys.executable, str(ROOT / "scripts" / "bootstrap_model.py"), "--out", str(path),
-                        "--seed", str(seed), *MODELS[name]], check=True, cwd=ROOT)
+                        "--seed", str(seed), "--verbose", *MODELS[name]], check=True, cwd=ROOT)
     return path
 
 

@@ -21,15 +21,16 @@ from common import SYSTEM, TOOLS, reward, run_tool, task  # noqa: E402
 
 IM_END = "<|im_end|>"
 EVAL_SEED = 424242
+HELD_OUT = 400
 
 
 def split(name: str, num: int, seed: int) -> list[tuple[str, str, float]]:
-    """``num`` distinct (task_id, question, expected) of ``name``; train never repeats an eval question."""
-    held_out = {t[0] for t in _draw(random.Random(f"calculator/eval/{EVAL_SEED}"), 400)}
+    """``num`` distinct (task_id, question, expected) of ``name``; train never repeats one of the first
+    HELD_OUT eval questions."""
     if name == "eval":
         return _draw(random.Random(f"calculator/eval/{EVAL_SEED}"), num)
-    rng = random.Random(f"calculator/train/{seed}")
-    return _draw(rng, num, exclude=held_out)
+    held_out = {t[0] for t in split("eval", HELD_OUT, seed)}
+    return _draw(random.Random(f"calculator/train/{seed}"), num, exclude=held_out)
 
 
 def _draw(rng: random.Random, num: int, exclude: frozenset | set = frozenset()) -> list[tuple[str, str, float]]:

@@ -138,11 +138,10 @@ class Scheduler:
         return failed
 
     def abort_all(self) -> list[Sequence]:
-        aborted = list(self.urgent) + list(self.waiting) + self.running
+        """The engine stops: end every waiting and running sequence with "abort"."""
+        waiting = [*self.urgent, *self.waiting]
         self.urgent.clear()
         self.waiting.clear()
-        self.aborting.clear()
-        for seq in aborted:
+        for seq in waiting:
             self._end(seq, "abort")
-        self.batch = []
-        return aborted
+        return waiting + self.fail_batch()

@@ -16,8 +16,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "agents"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import SYSTEM, TOOLS, reward, run_tool, task  # noqa: E402
+
+from services.rollout.gateway import toolcalls  # noqa: E402
+from services.rollout.gateway.toolcalls import CLOSE, OPEN  # noqa: E402
 
 IM_END = "<|im_end|>"
 EVAL_SEED = 424242
@@ -86,16 +90,13 @@ def demonstration(tokenizer, question: str, expected: float) -> tuple[list[int],
     return ids, labels
 
 
-def parse_call(text: str) -> str | None:
-    """The expression of the first well-formed calculator call in ``text``."""
-    start, stop = text.find("<tool_call>"), text.find("</tool_call>")
+def parse_call(text: str) -> dict | str | None:
+    """The arguments of the first calculator call in ``text``, read as the gateway reads tool calls."""
+    start, stop = text.find(OPEN), text.find(CLOSE)
     if start < 0 or stop < start:
         return None
-    try:
-        call = json.loads(text[start + len("<tool_call>"): stop])
-        return str(call["arguments"]["expression"]) if call.get("name") == "calculator" else None
-    except (ValueError, KeyError, TypeError):
-        return None
+    call = toolcalls.parse_call(text[start + len(OPEN): stop], lambda: "eval")
+    return call.arguments_value() if call is not None and call.name == "calculator" else None
 
 
 @torch.no_grad()
@@ -111,10 +112,10 @@ def greedy_success(model, tokenizer, tasks: list[tuple[str, str, float]], genera
         c1, _ = generate(model, tokenizer, p1, 96)
         second, idx = [], []
         for i, ((_, question, _), ids) in enumerate(zip(chunk, c1, strict=True)):
-            expr = parse_call(tokenizer.decode(ids, skip_special_tokens=True))
-            if expr is None:
+            args = parse_call(tokenizer.decode(ids, skip_special_tokens=True))
+            if args is None:
                 continue
-            result = run_tool("calculator", {"expression": expr})
+            result = run_tool("calculator", args)
             closed = ids if ids and ids[-1] == end else [*ids, end]  # the gateway closes a cut-off turn the same way
             second.append(p1[i] + closed + bridge(tokenizer, question, result))
             idx.append(i)

@@ -11,12 +11,13 @@ class EvalRound:
     version: int          # trainer version when the round was issued
     expected: int
     final: bool = False
+    done: bool = False    # its result was published (a restarted builder knows it from the event alone)
     rewards: dict[str, float] = dataclasses.field(default_factory=dict)
     token_versions: set[int] = dataclasses.field(default_factory=set)
 
     @property
     def complete(self) -> bool:
-        return len(self.rewards) >= self.expected
+        return self.done or len(self.rewards) >= self.expected
 
     @property
     def accuracy(self) -> float:
@@ -30,15 +31,28 @@ class EvalTracker:
         self.every = every
         self.rounds: dict[int, EvalRound] = {}
         self._evaluated: set[int] = set()
+        self._closed: set[int] = set()
 
     def due(self, version: int) -> bool:
         return self.every > 0 and version % self.every == 0 and version not in self._evaluated
 
     def start(self, version: int, expected: int, *, final: bool = False) -> EvalRound:
+        return self.restore(len(self.rounds), version, expected, final=final)
+
+    def restore(self, round_id: int, version: int, expected: int, *, final: bool = False) -> EvalRound:
+        """A round issued earlier (by this process or one before a restart)."""
         self._evaluated.add(version)
-        rnd = EvalRound(len(self.rounds), version, expected, final=final)
-        self.rounds[rnd.round_id] = rnd
+        rnd = self.rounds.get(round_id)
+        if rnd is None:
+            rnd = self.rounds[round_id] = EvalRound(round_id, version, expected, final=final,
+                                                    done=round_id in self._closed)
         return rnd
+
+    def close(self, round_id: int) -> None:
+        """The round's result is published (maybe known before the round itself): later results are ignored."""
+        self._closed.add(round_id)
+        if round_id in self.rounds:
+            self.rounds[round_id].done = True
 
     def record(self, round_id: int, task_id: str, reward: float, versions: list[int]) -> EvalRound | None:
         """Returns the round when this result completed it; a repeated task result is ignored."""

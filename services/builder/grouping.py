@@ -30,23 +30,28 @@ class Group:
 
 
 class GroupAssembler:
-    """Collects trajectories until each group has `group_size` distinct members."""
+    """Collects trajectories until each group has `group_size` distinct members.
+
+    A group stays known (open, or ready for a batch) until `forget`: a redelivered member of a ready group
+    only adds its ack handle, it never opens the group a second time.
+    """
 
     def __init__(self) -> None:
         self.open: dict[str, Group] = {}
         self.ready: collections.deque[Group] = collections.deque()
+        self.known: dict[str, Group] = {}
         self.duplicates = 0
 
     def add(self, traj: data_pb2.Trajectory, ack: Any = None) -> Group | None:
         """Returns the group when this trajectory completed it. A trajectory seen before is ignored."""
         if traj.group_size < 1:
             raise ValueError(f"group_size: must be >= 1, got {traj.group_size}")
-        group = self.open.get(traj.group_id)
+        group = self.known.get(traj.group_id)
         if group is None:
-            group = self.open[traj.group_id] = Group(traj.group_id, traj.group_size)
+            group = self.open[traj.group_id] = self.known[traj.group_id] = Group(traj.group_id, traj.group_size)
         if ack is not None:
             group.acks.append(ack)
-        if traj.trajectory_id in group.members:
+        if traj.trajectory_id in group.members or group.complete:
             self.duplicates += 1
             return None
         group.members[traj.trajectory_id] = traj
@@ -55,6 +60,18 @@ class GroupAssembler:
             self.ready.append(group)
             return group
         return None
+
+    def forget(self, group_id: str) -> Group | None:
+        """The group was batched or dropped: later deliveries of its members are the caller's to settle."""
+        group = self.known.pop(group_id, None)
+        self.open.pop(group_id, None)
+        if group is not None and group in self.ready:
+            self.ready.remove(group)
+        return group
+
+    def held(self) -> list[Any]:
+        """Every ack handle still held (kept alive while their groups wait)."""
+        return [a for g in self.known.values() for a in g.acks]
 
 
 @dataclasses.dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 
 import msgpack
 import prometheus_client
@@ -15,18 +16,23 @@ from services.builder.config import BuilderConfig
 from services.builder.datasets import generate_split
 from services.builder.evaluation import EvalRound, EvalTracker
 from services.builder.grouping import Group, GroupAssembler, assemble_batch
+from services.builder.ledger import Dropped, IssuedEval, Ledger
 from services.builder.tasks import make_work, train_stream
+from services.common.batches import publish_batch, published_batches
 from services.common.bus import (
-    SUBJECT_BATCHES,
+    CONSUMERS,
     SUBJECT_PROMPTS,
     SUBJECT_VERSIONS,
     Bus,
     InvalidMessage,
     consume,
     decoder,
+    follow,
+    wait_either,
 )
 from services.common.contracts import builder_pb2, builder_pb2_grpc, common_pb2, data_pb2
-from services.common.ids import new_id, now
+from services.common.deadletters import DeadLetterWatch
+from services.common.ids import now
 from services.common.logging import get_logger
 from services.common.rpc import Servicer, start_server
 from services.common.service import supervise
@@ -55,7 +61,13 @@ class Builder:
         self.evals = EvalTracker(config.eval_every)
         self.eval_tasks = generate_split("eval", config.eval_size, config.seed)
         self.train = train_stream(config.train_size, config.seed)
+        self.ledger = Ledger(bus)
+        self.dead_letters = DeadLetterWatch(bus)
+        self.groups_dropped = 0
         self.consumed_groups: set[str] = set()
+        self.eval_acks: dict[int, list] = {}   # eval results held (unacked) until their round's event is out
+        self.flush_lock = asyncio.Lock()        # one batch index is built at a time
+        self.live = asyncio.Event()             # set once the state is recovered and the events replayed
         self.changed = asyncio.Event()
         self.admitting = asyncio.Event()
         self.admitting.set()
@@ -66,6 +78,7 @@ class Builder:
         self.dropped_stale = 0
         self.reward_sum = 0.0
         self.final_round: EvalRound | None = None
+        self.run_end_seen = False
         self.finished = asyncio.Event()
         self.log = get_logger()
 
@@ -79,7 +92,7 @@ class Builder:
         if self.online is not None:
             await self.publish_budget()
             return
-        first = await self.issue_eval(self.budget.version)
+        first = self.evals.rounds.get(0) or await self.issue_eval(self.budget.version)
         while not first.complete and not stop.is_set():
             await self.wait_changed()
         while not stop.is_set() and not self.finished.is_set():
@@ -106,17 +119,25 @@ class Builder:
             CAPACITY.set(self.budget.capacity())
             return False
         task = next(self.train)
-        group_id = new_id("g")
+        group_id = f"g-{self.issued}"  # the n-th task of the seeded stream: re-issuing after a crash is idempotent
         work = make_work(task, work_id=group_id, group_id=group_id, group_size=self.config.group_size,
                          encode=self.encode, sampling=self.train_sampling, version=version, split="train",
                          issued_at=now())
         await self.bus.publish(SUBJECT_PROMPTS, work, work.work_id)
         self.issued += 1
+        await self.ledger.set_issued(self.issued)
         ISSUED.inc()
         return True
 
     async def issue_eval(self, version: int, *, final: bool = False) -> EvalRound:
         rnd = self.evals.start(version, len(self.eval_tasks), final=final)
+        await self.ledger.add_eval(IssuedEval(rnd.round_id, version, rnd.expected, final))
+        await self.publish_eval_work(rnd)
+        return rnd
+
+    async def publish_eval_work(self, rnd: EvalRound) -> None:
+        """The round's prompt work (again, after a restart: the ids dedupe; a late repeat is recorded once)."""
+        version, final = rnd.version, rnd.final
         for i, task in enumerate(self.eval_tasks):
             work_id = f"eval-{rnd.round_id}-{i}"
             work = make_work(task, work_id=work_id, group_id=work_id, group_size=1, encode=self.encode,
@@ -124,15 +145,14 @@ class Builder:
                              extra={"eval_round": rnd.round_id})
             await self.bus.publish(SUBJECT_PROMPTS, work, work_id)
         self.log.info("eval_issued", round=rnd.round_id, version=version, final=final, n=rnd.expected)
-        return rnd
 
     # consuming ----------------------------------------------------------------------------------------
     async def handle_scored(self, traj: data_pb2.Trajectory, msg) -> None:
         if not traj.trajectory_id or not traj.group_id:
             raise InvalidMessage("trajectory_id / group_id: missing")
+        await self.live.wait()
         if traj.split == "eval":
-            await self._record_eval(traj)
-            await msg.ack()
+            await self._record_eval(traj, msg)
             return
         if traj.group_id in self.consumed_groups:
             await msg.ack()  # a redelivery of a group already batched or dropped
@@ -153,6 +173,10 @@ class Builder:
         self.changed.set()
 
     async def flush_batches(self) -> None:
+        async with self.flush_lock:
+            await self._flush_batches()
+
+    async def _flush_batches(self) -> None:
         total = self.config.total_steps
         released = 0
         while len(self.assembler.ready) >= self.config.batch_size and not (total and self.batches_published >= total):
@@ -161,24 +185,64 @@ class Builder:
                                     max_staleness=self.config.max_staleness, batch_id=f"batch-{index}",
                                     created_at=now())
             for group in result.stale:
-                await self._retire(group)
-                self.dropped_stale += len(group.members)
-                DROPPED.inc(len(group.members))
-                if next(iter(group.members.values())).source == "workflow":
-                    self.budget.on_unaccept()
-                else:
+                if await self._drop(group, "stale"):
                     released += 1
             if result.batch is None:
                 break
-            await self.bus.publish(SUBJECT_BATCHES, result.batch, result.batch.batch_id)
+            result.batch.group_ids.extend(g.group_id for g in result.groups)
+            await publish_batch(self.bus, result.batch)
             self.batches_published += 1
             BATCHES.inc()
             for group in result.groups:
                 await self._retire(group)
             self.log.info("batch_published", index=index, groups=len(result.groups), stale_dropped=len(result.stale))
         if released and self.online is not None:
-            self.online.released += released
             await self.publish_budget()
+
+    async def _drop(self, group: Group, reason: str, source: str = "") -> bool:
+        """Record the group as never to be trained (durably, before its messages are acked); True: online."""
+        source = source or (next(iter(group.members.values())).source if group.members else "workflow")
+        await self.ledger.add_dropped(Dropped(group.group_id, reason, source, len(group.members)))
+        await self._retire(group)
+        self.groups_dropped += 1
+        self.dropped_stale += len(group.members)
+        DROPPED.inc(len(group.members))
+        if source == "workflow":
+            if group.complete:
+                self.budget.on_unaccept()
+            else:
+                self.budget.on_complete(accepted=False)
+            return False
+        if self.online is not None:
+            self.online.released += 1
+        return True
+
+    async def handle_dead_letter(self, letter: data_pb2.DeadLetter) -> None:
+        """A prompt work or trajectory that no service could process: its group can never complete, so it is
+        dropped with the reason (its budget slot freed); an eval result counts as wrong."""
+        await self.live.wait()
+        try:
+            item = (data_pb2.PromptWork if letter.subject.startswith("prompts.") else data_pb2.Trajectory).FromString(
+                letter.data)
+        except Exception:  # noqa: BLE001 - undecodable: it never belonged to a group
+            return
+        if not item.group_id or item.group_id in self.consumed_groups:
+            return
+        reason = f"dead_letter:{letter.consumer}"
+        if item.split == "eval":
+            meta = msgpack.unpackb(item.metadata, raw=False) if item.metadata else {}
+            rnd = self.evals.record(int(meta.get("eval_round", -1)), item.task_id, 0.0, [])
+            if rnd is not None:
+                await self._finish_eval(rnd)
+            return
+        async with self.flush_lock:
+            group = self.assembler.forget(item.group_id) or Group(item.group_id, item.group_size)
+            source = getattr(item, "source", "") or "workflow"
+            online = await self._drop(group, reason, source)
+        self.log.warning("group_dropped", group_id=item.group_id, reason=reason)
+        if online and self.online is not None:
+            await self.publish_budget()
+        self.changed.set()
 
     async def publish_budget(self) -> None:
         """Announce the online budget; a failed publish is only logged (the next one carries the same totals)."""
@@ -194,15 +258,24 @@ class Builder:
 
     async def _retire(self, group: Group) -> None:
         self.consumed_groups.add(group.group_id)
+        self.assembler.forget(group.group_id)
         for msg in group.acks:
             with contextlib.suppress(Exception):
                 await msg.ack()
 
-    async def _record_eval(self, traj: data_pb2.Trajectory) -> None:
+    async def _record_eval(self, traj: data_pb2.Trajectory, msg) -> None:
         meta = msgpack.unpackb(traj.metadata, raw=False) if traj.metadata else {}
-        rnd = self.evals.record(int(meta.get("eval_round", -1)), traj.task_id, traj.reward, list(traj.versions))
-        if rnd is None:
+        round_id = int(meta.get("eval_round", -1))
+        known = self.evals.rounds.get(round_id)
+        if known is None or known.complete:
+            await msg.ack()  # a late repeat, or a round this run never issued
             return
+        self.eval_acks.setdefault(round_id, []).append(msg)  # held until the round's event is published
+        rnd = self.evals.record(round_id, traj.task_id, traj.reward, list(traj.versions))
+        if rnd is not None:
+            await self._finish_eval(rnd)
+
+    async def _finish_eval(self, rnd: EvalRound) -> None:
         self.changed.set()
         versions = sorted(rnd.token_versions) or [rnd.version]
         event = data_pb2.VersionEvent(
@@ -213,6 +286,9 @@ class Builder:
         self.log.info("eval_done", round=rnd.round_id, version=rnd.version, accuracy=rnd.accuracy, final=rnd.final)
         if rnd.final:
             await self._publish_run_end(rnd.version, {"eval_accuracy": rnd.accuracy})
+        for held in self.eval_acks.pop(rnd.round_id, []):
+            with contextlib.suppress(Exception):
+                await held.ack()
 
     async def _publish_run_end(self, version: int, metrics: dict[str, float]) -> None:
         end = data_pb2.VersionEvent(event_id="run-end", version=version, kind=data_pb2.VERSION_KIND_RUN_END,
@@ -221,27 +297,107 @@ class Builder:
         self.finished.set()
 
     async def handle_version(self, event: data_pb2.VersionEvent) -> None:
+        """Every event of the run, replayed from the stream's start at each (re)start: idempotent, and it
+        publishes nothing until the replay is done (`live`)."""
+        live = self.live.is_set()
         if event.kind == data_pb2.VERSION_KIND_TRAINED:
             self.budget.on_version(event.version)
-            total = self.config.total_steps
-            if self.config.source == "online" and total and event.version >= total and not self.finished.is_set():
-                await self._publish_run_end(event.version, {})
+            if live:
+                await self._end_online_run()
         elif event.kind == data_pb2.VERSION_KIND_DEPLOYED:
             self.deployed_version = max(self.deployed_version, event.version)
             if self.online is not None:  # new agent groups sample at the deployed version, not the trained one
                 self.online.on_version(event.version)
-                await self.publish_budget()
+                if live:
+                    await self.publish_budget()
+        elif event.kind == data_pb2.VERSION_KIND_EVAL and event.event_id.startswith("eval-"):
+            self.evals.close(int(event.event_id.removeprefix("eval-")))
+        elif event.kind == data_pb2.VERSION_KIND_RUN_END:
+            self.run_end_seen = True
+            self.finished.set()
         self.changed.set()
 
-    def start(self, stop: asyncio.Event) -> list[asyncio.Task]:
-        """The builder's loops: version events, scored trajectories, issuing."""
-        return [
-            asyncio.create_task(consume(self.bus, "builder-versions", decoder(data_pb2.VersionEvent),
-                                        self.handle_version, stop)),
+    async def _end_online_run(self) -> None:
+        total = self.config.total_steps
+        if self.config.source == "online" and total and self.budget.version >= total and not self.finished.is_set():
+            await self._publish_run_end(self.budget.version, {})
+
+    async def recover(self, stop: asyncio.Event) -> None:
+        """Rebuild the state a previous builder process left: replay EVENTS (versions, finished evals, run end),
+        read BATCHES (batched groups, the next index) and the ledger (issued, dropped, issued evals). Scored
+        trajectories it held unacked come back by redelivery and complete their groups again."""
+        await self.ledger.open()
+        caught_up = asyncio.Event()
+        self._follower = asyncio.create_task(follow(self.bus, SUBJECT_VERSIONS, decoder(data_pb2.VersionEvent),
+                                                    self.handle_version, stop, caught_up=caught_up))
+        await wait_either(caught_up, stop)
+        ledger = await self.ledger.load()
+        batches = await published_batches(self.bus)
+        assert [b.index for b in batches] == list(range(len(batches))), "batch indices must be contiguous"
+        self.batches_published = len(batches)
+        self.consumed_groups = {g for b in batches for g in b.group_ids} | set(ledger.dropped)
+        batched = sum(len(b.group_ids) for b in batches)
+        self.received = sum(len(b.trajectory_ids) for b in batches) + sum(d.trajectories for d in ledger.dropped.values())
+        self.dropped_stale = sum(d.trajectories for d in ledger.dropped.values())
+        self.groups_dropped = len(ledger.dropped)
+        dropped_workflow = sum(1 for d in ledger.dropped.values() if d.source == "workflow")
+        if self.online is None:
+            self.issued = ledger.issued
+            self.budget.accepted = batched
+            self.budget.dropped = dropped_workflow
+            self.budget.in_flight = max(0, self.issued - batched - dropped_workflow)
+            self.train = itertools.islice(self.train, self.issued, None)
+        else:
+            self.online.released = len(ledger.dropped) - dropped_workflow
+            self.online.arrived = batched + len(ledger.dropped)
+        for r in sorted(ledger.evals.values(), key=lambda r: r.round_id):
+            rnd = self.evals.restore(r.round_id, r.version, r.expected, final=r.final)
+            if r.final:
+                self.final_round = rnd
+        reopened = [r for r in self.evals.rounds.values() if not r.complete]
+        for rnd in reopened:
+            await self.publish_eval_work(rnd)
+        if self.final_round is not None and self.final_round.complete and not self.run_end_seen:
+            await self._publish_run_end(self.final_round.version, {})  # the crash came between the two events
+        self.live.set()
+        self.changed.set()
+        self.log.info("recovered", version=self.budget.version, deployed=self.deployed_version,
+                      batches=self.batches_published, issued=self.issued, dropped_groups=len(ledger.dropped),
+                      in_flight=self.budget.in_flight, eval_rounds=len(self.evals.rounds), reopened_evals=len(reopened),
+                      finished=self.finished.is_set())
+        await self._end_online_run()
+
+    async def keep_alive(self, stop: asyncio.Event) -> None:
+        """Tell JetStream the scored trajectories held in open groups and eval rounds are still being worked on
+        (so they are not redelivered while this builder lives, and are soon after it dies)."""
+        every = (self.bus.ack_wait or CONSUMERS["builder"].ack_wait) / 3
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=every)
+            for msg in [*self.assembler.held(), *(m for ms in self.eval_acks.values() for m in ms)]:
+                with contextlib.suppress(Exception):
+                    await msg.in_progress()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.recover(stop)
+        if stop.is_set():
+            return
+        tasks = [
             asyncio.create_task(consume(self.bus, "builder", decoder(data_pb2.Trajectory), self.handle_scored, stop,
-                                        concurrency=64, manual_ack=True)),
-            asyncio.create_task(self.issue_loop(stop)),
+                                        concurrency=64, manual_ack=True), name="scored"),
+            asyncio.create_task(self.issue_loop(stop), name="issue"),
+            asyncio.create_task(self.keep_alive(stop), name="keep-alive"),
+            asyncio.create_task(self.dead_letters.run(stop), name="dead-letter-counts"),
+            asyncio.create_task(follow(self.bus, "dlq.>", decoder(data_pb2.DeadLetter), self.handle_dead_letter, stop,
+                                       stream="DLQ"), name="dead-letters"),
+            self._follower,
         ]
+        supervise(tasks, stop)
+        await asyncio.gather(*tasks)
+
+    def start(self, stop: asyncio.Event) -> list[asyncio.Task]:
+        """The builder: recovery, then its loops (version events, scored trajectories, issuing, keep-alive)."""
+        return [asyncio.create_task(self.run(stop), name="builder")]
 
     def status(self) -> builder_pb2.BuilderStatus:
         b = self.budget
@@ -250,7 +406,9 @@ class Builder:
             groups_issued=self.issued, groups_in_flight=b.in_flight, groups_accepted=b.accepted,
             batches_published=self.batches_published, trajectories_received=self.received,
             trajectories_dropped_stale=self.dropped_stale, capacity=b.capacity(),
-            paused=not self.admitting.is_set(), mean_reward=self.reward_sum / self.received if self.received else 0.0)
+            paused=not self.admitting.is_set(), mean_reward=self.reward_sum / self.received if self.received else 0.0,
+            dead_letters=self.dead_letters.counts, dead_lettered=sum(self.dead_letters.counts.values()),
+            groups_dropped=self.groups_dropped)
 
 
 class BuilderServicer(builder_pb2_grpc.BuilderServiceServicer):
@@ -272,7 +430,7 @@ class BuilderServicer(builder_pb2_grpc.BuilderServiceServicer):
 
 async def serve(config: BuilderConfig, stop: asyncio.Event) -> None:
     tokenizer = AutoTokenizer.from_pretrained(config.model_path)
-    bus = await Bus.connect(config.nats_url, name="builder")
+    bus = await Bus.connect(config.nats_url, name="builder", replicas=config.nats_replicas)
     builder = Builder(config, bus, lambda text: tokenizer.encode(text, add_special_tokens=False),
                       [tokenizer.eos_token_id])
     rpc = await start_server(config.grpc_address, [Servicer(

@@ -4,7 +4,12 @@ Publishers set `Nats-Msg-Id` (JetStream drops duplicates inside the window) and 
 header naming the protobuf message. Consumers pull with explicit ack; a message is acked only after
 its handler returned (its effect is durable). `follow` reads a subject from its start without acks
 (every replica sees every message). A message that cannot be decoded, has the wrong type or
-fails validation goes to `dlq.<consumer>` with the reason and is terminated; the loop keeps going.
+fails validation goes to `dlq.<consumer>` with the reason and is terminated; the loop keeps going,
+and so does a message delivered `max_deliver` times without an ack (its handler crashed or hung).
+
+Every call rides out an unreachable server: publishes retry with the same `Nats-Msg-Id` until
+`PUBLISH_DEADLINE`, the consume loop backs off and fetches again, `follow` re-creates its consumer
+where it stopped. Nothing here exits a service on a transient error.
 """
 
 from __future__ import annotations
@@ -35,6 +40,15 @@ DLQ_PREFIX = "dlq."
 TYPE_HEADER = "Meshrl-Type"
 
 M = TypeVar("M", bound=Message)
+T = TypeVar("T")
+
+
+DAY = 86400.0
+PUBLISH_DEADLINE = 300.0   # seconds a publish keeps retrying through an outage before it raises
+TRANSIENT = (nats.errors.TimeoutError, TimeoutError, nats.errors.NoRespondersError,
+             nats.errors.ConnectionReconnectingError, nats.errors.ConnectionClosedError,
+             nats.errors.OutboundBufferLimitError, nats.errors.StaleConnectionError,
+             nats.js.errors.ServiceUnavailableError, ConnectionError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +56,8 @@ class StreamSpec:
     name: str
     subjects: tuple[str, ...]
     retention: RetentionPolicy = RetentionPolicy.LIMITS
+    max_age: float = 0.0       # seconds; 0 = forever
+    max_bytes: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,23 +70,24 @@ class ConsumerSpec:
     max_ack_pending: int = 1024
 
 
+# BATCHES keeps every batch (subject batches.train.<index>) so a restarted trainer re-reads by index and a
+# restarted builder knows which groups it batched; limits bound what a long run keeps.
 STREAMS = (
     StreamSpec("PROMPTS", ("prompts.>",), RetentionPolicy.WORK_QUEUE),
-    StreamSpec("TRAJ", ("traj.>",)),
-    StreamSpec("BATCHES", ("batches.>",), RetentionPolicy.WORK_QUEUE),
-    StreamSpec("EVENTS", ("events.>",)),
-    StreamSpec("DLQ", ("dlq.>",)),
+    StreamSpec("TRAJ", ("traj.>",), max_age=7 * DAY, max_bytes=8 << 30),
+    StreamSpec("BATCHES", ("batches.>",), max_age=7 * DAY, max_bytes=16 << 30),
+    StreamSpec("EVENTS", ("events.>",), max_age=30 * DAY, max_bytes=1 << 30),
+    StreamSpec("DLQ", ("dlq.>",), max_age=30 * DAY, max_bytes=1 << 30),
 )
 
 CONSUMERS = {
     spec.durable: spec
     for spec in (
-        ConsumerSpec("rollout", "PROMPTS", SUBJECT_PROMPTS),
-        ConsumerSpec("reward", "TRAJ", SUBJECT_TRAJ_RAW),
-        # the builder acks a trajectory only once the batch holding it is published
-        ConsumerSpec("builder", "TRAJ", SUBJECT_TRAJ_SCORED, ack_wait=900.0, max_ack_pending=100_000),
-        ConsumerSpec("trainer", "BATCHES", SUBJECT_BATCHES, ack_wait=300.0),
-        ConsumerSpec("builder-versions", "EVENTS", SUBJECT_VERSIONS),
+        ConsumerSpec("rollout", "PROMPTS", SUBJECT_PROMPTS, ack_wait=20.0),
+        ConsumerSpec("reward", "TRAJ", SUBJECT_TRAJ_RAW, ack_wait=20.0),
+        # the builder acks a trajectory only once the batch holding it is published; it keeps the ones it
+        # holds alive (in_progress), so a dead builder's come back after ack_wait
+        ConsumerSpec("builder", "TRAJ", SUBJECT_TRAJ_SCORED, ack_wait=30.0, max_ack_pending=100_000),
     )
 }
 
@@ -79,27 +96,69 @@ class InvalidMessage(ValueError):
     """A message that no retry can fix: it goes to the dead-letter subject."""
 
 
-class Bus:
-    """A NATS connection with the JetStream context and meshrl's streams and consumers."""
+class PayloadTooLarge(ValueError):
+    """A message over the server's max_payload (callers store it out of band)."""
 
-    def __init__(self, nc: nats.NATS, *, ack_wait: float | None = None) -> None:
+
+class Bus:
+    """A NATS connection with the JetStream context and meshrl's streams and consumers.
+
+    `url` may list several servers (comma-separated: a cluster); `replicas` is the streams' replication.
+    """
+
+    def __init__(self, nc: nats.NATS, *, ack_wait: float | None = None, replicas: int = 1) -> None:
         self.nc = nc
-        self.js = nc.jetstream()
+        self.js = nc.jetstream(timeout=10.0)
         self.ack_wait = ack_wait
+        self.replicas = replicas
 
     @classmethod
-    async def connect(cls, url: str, *, name: str, ack_wait: float | None = None) -> Bus:
-        nc = await nats.connect(url, name=name, connect_timeout=5, max_reconnect_attempts=-1,
-                                reconnect_time_wait=0.5)
-        bus = cls(nc, ack_wait=ack_wait)
-        await bus.ensure()
+    async def connect(cls, url: str, *, name: str, ack_wait: float | None = None, replicas: int = 1,
+                      deadline: float = 600.0) -> Bus:
+        """Connect (retrying while the server is unreachable, up to `deadline` s) and declare everything."""
+        log = get_logger().bind(nats=name)
+        servers = [u.strip() for u in url.split(",") if u.strip()]
+        if not servers:
+            raise ValueError("nats_url: empty")
+
+        async def on_error(exc: Exception) -> None:
+            if not isinstance(exc, (OSError, nats.errors.UnexpectedEOF)):  # reconnect attempts are logged once
+                log.warning("nats_error", error=repr(exc))
+
+        async def on_disconnected() -> None:
+            log.warning("nats_disconnected")
+
+        async def on_reconnected() -> None:
+            log.info("nats_reconnected")
+
+        give_up = now() + deadline
+        delay = 0.5
+        while True:
+            try:
+                nc = await nats.connect(servers, name=name, connect_timeout=5, max_reconnect_attempts=-1,
+                                        reconnect_time_wait=0.5, error_cb=on_error, disconnected_cb=on_disconnected,
+                                        reconnected_cb=on_reconnected, pending_size=64 << 20)
+                break
+            except (*TRANSIENT, OSError, nats.errors.NoServersError) as exc:
+                if now() > give_up:
+                    raise
+                log.warning("nats_unreachable", retry_in=delay, error=repr(exc))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        bus = cls(nc, ack_wait=ack_wait, replicas=replicas)
+        await retry(bus.ensure, what="declare streams", deadline=deadline)
         return bus
+
+    @property
+    def max_payload(self) -> int:
+        return self.nc.max_payload
 
     async def ensure(self) -> None:
         """Create every stream and consumer; safe to call from every service at every start."""
         for spec in STREAMS:
             config = StreamConfig(name=spec.name, subjects=list(spec.subjects), retention=spec.retention,
-                                  duplicate_window=120.0)
+                                  duplicate_window=120.0, max_age=spec.max_age or None, max_bytes=spec.max_bytes,
+                                  num_replicas=self.replicas)
             try:
                 await self.js.add_stream(config)
             except nats.js.errors.BadRequestError:
@@ -108,20 +167,37 @@ class Bus:
             await self.js.add_consumer(spec.stream, self._consumer_config(spec))
 
     def _consumer_config(self, spec: ConsumerSpec) -> ConsumerConfig:
+        # max_deliver is counted by `consume` (dead letter with the reason), never by the server, which
+        # would silently stop redelivering
         return ConsumerConfig(durable_name=spec.durable, ack_policy=AckPolicy.EXPLICIT,
                               deliver_policy=DeliverPolicy.ALL, filter_subject=spec.filter_subject,
-                              ack_wait=self.ack_wait or spec.ack_wait, max_deliver=spec.max_deliver,
-                              max_ack_pending=spec.max_ack_pending)
+                              ack_wait=self.ack_wait or spec.ack_wait, max_deliver=-1,
+                              max_ack_pending=spec.max_ack_pending, num_replicas=self.replicas)
 
-    async def publish(self, subject: str, message: Message, msg_id: str) -> bool:
+    async def publish(self, subject: str, message: Message, msg_id: str, *,
+                      deadline: float = PUBLISH_DEADLINE, headers: dict[str, str] | None = None) -> bool:
         """Publish durably; returns False when JetStream dropped it as a duplicate of `msg_id` on `subject`.
 
         The dedupe key is scoped by subject: a trajectory keeps its id from traj.raw to traj.scored.
+        Retries with the same id through an outage (at most `deadline` s); PayloadTooLarge when over max_payload.
         """
         assert msg_id, "every published message needs an id"
-        headers = {"Nats-Msg-Id": f"{subject}/{msg_id}", TYPE_HEADER: message.DESCRIPTOR.full_name}
-        ack = await self.js.publish(subject, message.SerializeToString(), headers=headers, timeout=10.0)
-        return not ack.duplicate
+        data = message.SerializeToString()
+        if len(data) > self.max_payload - 4096:
+            raise PayloadTooLarge(f"{message.DESCRIPTOR.full_name} {msg_id}: {len(data)} bytes is over the "
+                                  f"server's max_payload {self.max_payload}")
+        hdrs = {"Nats-Msg-Id": f"{subject}/{msg_id}", TYPE_HEADER: message.DESCRIPTOR.full_name, **(headers or {})}
+
+        async def once() -> bool:
+            ack = await self.js.publish(subject, data, headers=hdrs, timeout=10.0)
+            return not ack.duplicate
+
+        return await retry(once, what=f"publish {subject}", deadline=deadline)
+
+    async def dead_letter_counts(self) -> dict[str, int]:
+        """Messages in the dead-letter stream, by consumer."""
+        info = await self.js.stream_info("DLQ", subjects_filter=DLQ_PREFIX + ">")
+        return {subject.removeprefix(DLQ_PREFIX): n for subject, n in (info.state.subjects or {}).items()}
 
     async def dead_letter(self, consumer: str, msg: Msg, reason: str) -> None:
         letter = data_pb2.DeadLetter(subject=msg.subject, consumer=consumer, reason=reason, data=msg.data, at=now())
@@ -150,6 +226,21 @@ def decoder(message_type: type[M]) -> Callable[[Msg], M]:
     return decode
 
 
+async def retry(call: Callable[[], Awaitable[T]], *, what: str, deadline: float = PUBLISH_DEADLINE) -> T:
+    """`call()` again (back-off 0.2 s doubling to 5 s) while it fails for a transient reason, up to `deadline` s."""
+    give_up = now() + deadline
+    delay = 0.2
+    while True:
+        try:
+            return await call()
+        except TRANSIENT as exc:
+            if now() + delay > give_up:
+                raise
+            get_logger().warning("nats_retry", what=what, retry_in=delay, error=repr(exc))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
 async def consume(bus: Bus, consumer: str, decode: Callable[[Msg], M],
                   handle: Callable[..., Awaitable[None]], stop: asyncio.Event, *,
                   concurrency: int = 1, fetch_timeout: float = 1.0, gate: asyncio.Event | None = None,
@@ -157,21 +248,30 @@ async def consume(bus: Bus, consumer: str, decode: Callable[[Msg], M],
     """Pull from a durable consumer until `stop` is set; ack after `handle` returns.
 
     Up to `concurrency` handlers run at once. A handler raising InvalidMessage dead-letters the
-    message; any other error naks it for redelivery (dead-lettered after `max_deliver` tries).
-    While a handler runs, the message's ack deadline is extended. While `gate` is clear nothing is fetched. On stop, fetched messages that
-    were not started are nak'ed and running handlers finish before this returns.
+    message; any other error naks it for redelivery; a message delivered more than `max_deliver`
+    times (failed, or its handler's process died) is dead-lettered with the reason. While a handler runs,
+    the message's ack deadline is extended. While `gate` is clear nothing is fetched. On stop, fetched
+    messages that were not started are nak'ed and running handlers finish before this returns. A lost
+    server is waited out (back-off), never raised.
     With `manual_ack`, the handler is called as `handle(obj, msg)` and acks the message itself once
     the effect is durable (e.g. when a batch holding it is published).
     """
     spec = CONSUMERS[consumer]
     ack_wait = bus.ack_wait or spec.ack_wait
-    sub = await bus.js.pull_subscribe_bind(durable=consumer, stream=spec.stream)
+    sub = await retry(lambda: bus.js.pull_subscribe_bind(durable=consumer, stream=spec.stream),
+                      what=f"bind {consumer}", deadline=float("inf"))
     running: set[asyncio.Task] = set()
     log = get_logger().bind(consumer=consumer)
 
     async def process(msg: Msg) -> None:
+        delivered = msg.metadata.num_delivered if msg.metadata else 1
         heartbeat = asyncio.create_task(_keep_alive(msg, ack_wait / 3))
         try:
+            if delivered > spec.max_deliver:
+                await bus.dead_letter(consumer, msg, f"not acked after {delivered - 1} deliveries "
+                                                     "(its handler failed, hung or its process died)")
+                await msg.term()
+                return
             if manual_ack:
                 await handle(decode(msg), msg)
             else:
@@ -181,7 +281,6 @@ async def consume(bus: Bus, consumer: str, decode: Callable[[Msg], M],
             await bus.dead_letter(consumer, msg, str(exc))
             await msg.term()
         except Exception as exc:
-            delivered = msg.metadata.num_delivered if msg.metadata else 1
             log.exception("handler_failed", delivered=delivered, error=str(exc))
             if delivered >= spec.max_deliver:
                 await bus.dead_letter(consumer, msg, f"failed {delivered} times: {exc}")
@@ -191,25 +290,39 @@ async def consume(bus: Bus, consumer: str, decode: Callable[[Msg], M],
         finally:
             heartbeat.cancel()
 
+    async def guarded(msg: Msg) -> None:
+        try:
+            await process(msg)
+        except Exception as exc:  # the bus went away while acking: the message comes back by redelivery
+            log.warning("settle_failed", error=repr(exc))
+
+    delay = 0.2
     try:
         while not stop.is_set():
             if gate is not None and not gate.is_set():
-                await _wait_either(gate, stop)
+                await wait_either(gate, stop)
                 continue
             if len(running) >= concurrency:
                 await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 continue
             try:
                 msgs = await sub.fetch(concurrency - len(running), timeout=fetch_timeout)
+                delay = 0.2
             except (TimeoutError, nats.errors.TimeoutError):
                 continue
-            except nats.errors.ConnectionClosedError:
-                break
+            except Exception as exc:  # server gone, leader moving, consumer re-created: wait and fetch again
+                if stop.is_set():
+                    break
+                log.warning("fetch_failed", retry_in=delay, error=repr(exc))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                continue
             for msg in msgs:
                 if stop.is_set():
-                    await msg.nak()
+                    with contextlib.suppress(Exception):
+                        await msg.nak()
                     continue
-                task = asyncio.create_task(process(msg))
+                task = asyncio.create_task(guarded(msg))
                 running.add(task)
                 task.add_done_callback(running.discard)
     finally:
@@ -219,30 +332,57 @@ async def consume(bus: Bus, consumer: str, decode: Callable[[Msg], M],
             await sub.unsubscribe()
 
 
-async def follow(bus: Bus, subject: str, decode: Callable[[Msg], M], handle: Callable[[M], None],
-                 stop: asyncio.Event) -> None:
+async def follow(bus: Bus, subject: str, decode: Callable[[Msg], M], handle: Callable[[M], object],
+                 stop: asyncio.Event, *, caught_up: asyncio.Event | None = None, stream: str = "EVENTS") -> None:
     """Every message on `subject` from the start of its stream, in order, until `stop` is set.
 
-    An ephemeral ordered consumer per caller (each replica sees everything; nothing is acked or shared).
-    Messages that do not decode are skipped; `handle` is called on the event loop and must not block.
+    Each caller has its own ephemeral consumer (each replica sees everything; nothing is acked or shared),
+    re-created where it stopped when the server goes away. `handle` may be sync or async; messages that do
+    not decode are skipped. `caught_up` is set once every message that existed at the start was handled.
     """
     log = get_logger().bind(follow=subject)
-
-    async def on_msg(msg: Msg) -> None:
+    next_seq = 1
+    delay = 0.2
+    while not stop.is_set():
         try:
-            handle(decode(msg))
-        except ValueError as exc:  # InvalidMessage included
-            log.warning("follow_skipped", error=str(exc))
+            sub = await bus.js.pull_subscribe(subject, stream=stream, config=ConsumerConfig(
+                ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=next_seq,
+                inactive_threshold=60.0, num_replicas=1, mem_storage=True))
+        except Exception as exc:
+            log.warning("follow_subscribe_failed", retry_in=delay, error=repr(exc))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+            continue
+        try:
+            while not stop.is_set():
+                try:
+                    msgs = await sub.fetch(256, timeout=1.0)
+                except (TimeoutError, nats.errors.TimeoutError):
+                    if caught_up is not None:
+                        caught_up.set()  # nothing pending
+                    continue
+                delay = 0.2
+                for msg in msgs:
+                    seq = msg.metadata.sequence.stream
+                    next_seq = seq + 1
+                    try:
+                        result = handle(decode(msg))
+                        if asyncio.iscoroutine(result):
+                            await result
+                    except ValueError as exc:  # InvalidMessage included
+                        log.warning("follow_skipped", error=str(exc))
+                    if caught_up is not None and msg.metadata.num_pending == 0:
+                        caught_up.set()
+        except Exception as exc:
+            log.warning("follow_interrupted", at=next_seq, retry_in=delay, error=repr(exc))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
 
-    sub = await bus.js.subscribe(subject, cb=on_msg, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
-    try:
-        await stop.wait()
-    finally:
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
 
-
-async def _wait_either(a: asyncio.Event, b: asyncio.Event) -> None:
+async def wait_either(a: asyncio.Event, b: asyncio.Event) -> None:
     tasks = [asyncio.create_task(a.wait()), asyncio.create_task(b.wait())]
     _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     for task in pending:

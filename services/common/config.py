@@ -28,7 +28,8 @@ class ConfigError(ValueError):
 class ServiceConfig:
     """Settings every service has."""
 
-    nats_url: str = "nats://127.0.0.1:4222"
+    nats_url: str = "nats://127.0.0.1:4222"  # several servers (a cluster): comma-separated
+    nats_replicas: int = 1                    # stream replication; 3 on a three-node JetStream cluster
     grpc_address: str = "127.0.0.1:0"
     metrics_port: int = 0  # 0: pick a free port; -1: no metrics endpoint
     auth_token: str = ""

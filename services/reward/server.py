@@ -9,6 +9,7 @@ from transformers import AutoTokenizer
 
 from services.common.bus import SUBJECT_TRAJ_SCORED, Bus, consume, decoder
 from services.common.contracts import data_pb2, reward_pb2, reward_pb2_grpc
+from services.common.deadletters import DeadLetterWatch
 from services.common.logging import get_logger
 from services.common.rpc import Servicer, invalid_argument, start_server
 from services.reward.config import RewardConfig
@@ -20,9 +21,10 @@ REWARD = prometheus_client.Summary("meshrl_reward_value", "Rewards given")
 
 
 class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
-    def __init__(self, scorer: Scorer, stats: dict[str, float]) -> None:
+    def __init__(self, scorer: Scorer, stats: dict[str, float], dead_letters: DeadLetterWatch) -> None:
         self.scorer = scorer
         self.stats = stats
+        self.dead_letters = dead_letters
 
     async def Score(self, request, context):
         if request.verifier and request.verifier not in VERIFIERS:
@@ -39,14 +41,16 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
 
     async def Status(self, request, context):
         n = self.stats["scored"]
-        return reward_pb2.RewardStatus(scored=int(n), mean_reward=self.stats["reward_sum"] / n if n else 0.0)
+        counts = self.dead_letters.counts
+        return reward_pb2.RewardStatus(scored=int(n), mean_reward=self.stats["reward_sum"] / n if n else 0.0,
+                                       dead_letters=counts, dead_lettered=counts.get("reward", 0))
 
 
 async def serve(config: RewardConfig, stop: asyncio.Event) -> None:
     tokenizer = AutoTokenizer.from_pretrained(config.model_path)
     scorer = Scorer(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), config.default_verifier)
     stats = {"scored": 0.0, "reward_sum": 0.0}
-    bus = await Bus.connect(config.nats_url, name="reward")
+    bus = await Bus.connect(config.nats_url, name="reward", replicas=config.nats_replicas)
 
     async def handle(traj: data_pb2.Trajectory) -> None:
         scored = scorer.score(traj)
@@ -56,11 +60,14 @@ async def serve(config: RewardConfig, stop: asyncio.Event) -> None:
         SCORED.inc()
         REWARD.observe(scored.reward)
 
-    servicer = RewardServicer(scorer, stats)
+    dead_letters = DeadLetterWatch(bus)
+    servicer = RewardServicer(scorer, stats, dead_letters)
     rpc = await start_server(config.grpc_address, [Servicer(
         reward_pb2_grpc.add_RewardServiceServicer_to_server, servicer,
         reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name)], auth_token=config.auth_token)
     get_logger().info("serving", grpc_port=rpc.port)
+    watch = asyncio.create_task(dead_letters.run(stop))
     await consume(bus, "reward", decoder(data_pb2.Trajectory), handle, stop, concurrency=config.concurrency)
+    await watch
     await rpc.stop()
     await bus.close()

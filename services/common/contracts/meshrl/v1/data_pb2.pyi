@@ -118,18 +118,22 @@ class Trajectory(_message.Message):
     def __init__(self, trajectory_id: _Optional[str] = ..., group_id: _Optional[str] = ..., task_id: _Optional[str] = ..., work_id: _Optional[str] = ..., group_size: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., completion_ids: _Optional[_Iterable[int]] = ..., behavior_logprobs: _Optional[_Iterable[float]] = ..., versions: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., scored: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., created_at: _Optional[float] = ..., generated_at: _Optional[float] = ..., scored_at: _Optional[float] = ..., source: _Optional[str] = ..., metadata: _Optional[bytes] = ..., split: _Optional[str] = ..., verifier: _Optional[str] = ...) -> None: ...
 
 class TrainingBatch(_message.Message):
-    __slots__ = ("batch_id", "index", "trajectories", "created_at", "dropped_stale")
+    __slots__ = ("batch_id", "index", "trajectories", "created_at", "dropped_stale", "group_ids", "object_name")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     DROPPED_STALE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_NAME_FIELD_NUMBER: _ClassVar[int]
     batch_id: str
     index: int
     trajectories: _containers.RepeatedCompositeFieldContainer[Trajectory]
     created_at: float
     dropped_stale: int
-    def __init__(self, batch_id: _Optional[str] = ..., index: _Optional[int] = ..., trajectories: _Optional[_Iterable[_Union[Trajectory, _Mapping]]] = ..., created_at: _Optional[float] = ..., dropped_stale: _Optional[int] = ...) -> None: ...
+    group_ids: _containers.RepeatedScalarFieldContainer[str]
+    object_name: str
+    def __init__(self, batch_id: _Optional[str] = ..., index: _Optional[int] = ..., trajectories: _Optional[_Iterable[_Union[Trajectory, _Mapping]]] = ..., created_at: _Optional[float] = ..., dropped_stale: _Optional[int] = ..., group_ids: _Optional[_Iterable[str]] = ..., object_name: _Optional[str] = ...) -> None: ...
 
 class VersionEvent(_message.Message):
     __slots__ = ("event_id", "version", "kind", "at", "checkpoint_path", "metrics")
@@ -181,7 +185,7 @@ class ShardSpec(_message.Message):
     def __init__(self, canonical_name: _Optional[str] = ..., canonical_shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., canonical_region: _Optional[_Union[TensorRegion, _Mapping]] = ..., local_name: _Optional[str] = ..., local_shape: _Optional[_Iterable[int]] = ..., local_region: _Optional[_Union[TensorRegion, _Mapping]] = ...) -> None: ...
 
 class RankLayout(_message.Message):
-    __slots__ = ("rank_id", "role", "framework", "parallel", "shards", "agent_address", "endpoints", "host")
+    __slots__ = ("rank_id", "role", "framework", "parallel", "shards", "agent_address", "endpoints", "host", "version")
     class ParallelEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +208,7 @@ class RankLayout(_message.Message):
     AGENT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     rank_id: str
     role: RankRole
     framework: str
@@ -212,7 +217,8 @@ class RankLayout(_message.Message):
     agent_address: str
     endpoints: _containers.ScalarMap[str, str]
     host: str
-    def __init__(self, rank_id: _Optional[str] = ..., role: _Optional[_Union[RankRole, str]] = ..., framework: _Optional[str] = ..., parallel: _Optional[_Mapping[str, int]] = ..., shards: _Optional[_Iterable[_Union[ShardSpec, _Mapping]]] = ..., agent_address: _Optional[str] = ..., endpoints: _Optional[_Mapping[str, str]] = ..., host: _Optional[str] = ...) -> None: ...
+    version: int
+    def __init__(self, rank_id: _Optional[str] = ..., role: _Optional[_Union[RankRole, str]] = ..., framework: _Optional[str] = ..., parallel: _Optional[_Mapping[str, int]] = ..., shards: _Optional[_Iterable[_Union[ShardSpec, _Mapping]]] = ..., agent_address: _Optional[str] = ..., endpoints: _Optional[_Mapping[str, str]] = ..., host: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class DeadLetter(_message.Message):
     __slots__ = ("subject", "consumer", "reason", "data", "at")

@@ -2,7 +2,7 @@ from services.common.contracts.meshrl.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -36,11 +36,20 @@ class ListVerifiersReply(_message.Message):
     def __init__(self, verifiers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RewardStatus(_message.Message):
-    __slots__ = ("scored", "dead_lettered", "mean_reward")
+    __slots__ = ("scored", "dead_lettered", "mean_reward", "dead_letters")
+    class DeadLettersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     SCORED_FIELD_NUMBER: _ClassVar[int]
     DEAD_LETTERED_FIELD_NUMBER: _ClassVar[int]
     MEAN_REWARD_FIELD_NUMBER: _ClassVar[int]
+    DEAD_LETTERS_FIELD_NUMBER: _ClassVar[int]
     scored: int
     dead_lettered: int
     mean_reward: float
-    def __init__(self, scored: _Optional[int] = ..., dead_lettered: _Optional[int] = ..., mean_reward: _Optional[float] = ...) -> None: ...
+    dead_letters: _containers.ScalarMap[str, int]
+    def __init__(self, scored: _Optional[int] = ..., dead_lettered: _Optional[int] = ..., mean_reward: _Optional[float] = ..., dead_letters: _Optional[_Mapping[str, int]] = ...) -> None: ...

@@ -37,7 +37,14 @@ class GenerateReply(_message.Message):
     def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ...) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("policy_version", "paused", "running_sequences", "waiting_sequences", "trajectories_published", "tokens_generated", "weight_updates", "interrupted_sequences", "engine")
+    __slots__ = ("policy_version", "paused", "running_sequences", "waiting_sequences", "trajectories_published", "tokens_generated", "weight_updates", "interrupted_sequences", "engine", "dead_letters")
+    class DeadLettersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     PAUSED_FIELD_NUMBER: _ClassVar[int]
     RUNNING_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +54,7 @@ class RolloutStatus(_message.Message):
     WEIGHT_UPDATES_FIELD_NUMBER: _ClassVar[int]
     INTERRUPTED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
+    DEAD_LETTERS_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     paused: bool
     running_sequences: int
@@ -56,4 +64,5 @@ class RolloutStatus(_message.Message):
     weight_updates: int
     interrupted_sequences: int
     engine: str
-    def __init__(self, policy_version: _Optional[int] = ..., paused: _Optional[bool] = ..., running_sequences: _Optional[int] = ..., waiting_sequences: _Optional[int] = ..., trajectories_published: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., weight_updates: _Optional[int] = ..., interrupted_sequences: _Optional[int] = ..., engine: _Optional[str] = ...) -> None: ...
+    dead_letters: _containers.ScalarMap[str, int]
+    def __init__(self, policy_version: _Optional[int] = ..., paused: _Optional[bool] = ..., running_sequences: _Optional[int] = ..., waiting_sequences: _Optional[int] = ..., trajectories_published: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., weight_updates: _Optional[int] = ..., interrupted_sequences: _Optional[int] = ..., engine: _Optional[str] = ..., dead_letters: _Optional[_Mapping[str, int]] = ...) -> None: ...

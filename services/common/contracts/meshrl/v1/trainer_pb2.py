@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.contracts.meshrl.v1 import common_pb2 as meshrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17meshrl/v1/trainer.proto\x12\tmeshrl.v1\x1a\x16meshrl/v1/common.proto\"\x8b\x02\n\rTrainerStatus\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\r\n\x05steps\x18\x02 \x01(\x03\x12\x0e\n\x06paused\x18\x03 \x01(\x08\x12\x11\n\talgorithm\x18\x04 \x01(\t\x12?\n\x0clast_metrics\x18\x05 \x03(\x0b\x32).meshrl.v1.TrainerStatus.LastMetricsEntry\x12\x1c\n\x14trajectories_trained\x18\x06 \x01(\x03\x12\x1d\n\x15max_staleness_trained\x18\x07 \x01(\x03\x1a\x32\n\x10LastMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"!\n\x11\x43heckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"0\n\x0f\x43heckpointReply\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x32\xfc\x01\n\x0eTrainerService\x12<\n\x06Status\x12\x18.meshrl.v1.StatusRequest\x1a\x18.meshrl.v1.TrainerStatus\x12\x46\n\nCheckpoint\x12\x1c.meshrl.v1.CheckpointRequest\x1a\x1a.meshrl.v1.CheckpointReply\x12\x30\n\x05Pause\x12\x17.meshrl.v1.PauseRequest\x1a\x0e.meshrl.v1.Ack\x12\x32\n\x06Resume\x12\x18.meshrl.v1.ResumeRequest\x1a\x0e.meshrl.v1.Ackb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17meshrl/v1/trainer.proto\x12\tmeshrl.v1\x1a\x16meshrl/v1/common.proto\"\x80\x03\n\rTrainerStatus\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\r\n\x05steps\x18\x02 \x01(\x03\x12\x0e\n\x06paused\x18\x03 \x01(\x08\x12\x11\n\talgorithm\x18\x04 \x01(\t\x12?\n\x0clast_metrics\x18\x05 \x03(\x0b\x32).meshrl.v1.TrainerStatus.LastMetricsEntry\x12\x1c\n\x14trajectories_trained\x18\x06 \x01(\x03\x12\x1d\n\x15max_staleness_trained\x18\x07 \x01(\x03\x12?\n\x0c\x64\x65\x61\x64_letters\x18\x08 \x03(\x0b\x32).meshrl.v1.TrainerStatus.DeadLettersEntry\x1a\x32\n\x10LastMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x32\n\x10\x44\x65\x61\x64LettersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"!\n\x11\x43heckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"0\n\x0f\x43heckpointReply\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x32\xfc\x01\n\x0eTrainerService\x12<\n\x06Status\x12\x18.meshrl.v1.StatusRequest\x1a\x18.meshrl.v1.TrainerStatus\x12\x46\n\nCheckpoint\x12\x1c.meshrl.v1.CheckpointRequest\x1a\x1a.meshrl.v1.CheckpointReply\x12\x30\n\x05Pause\x12\x17.meshrl.v1.PauseRequest\x1a\x0e.meshrl.v1.Ack\x12\x32\n\x06Resume\x12\x18.meshrl.v1.ResumeRequest\x1a\x0e.meshrl.v1.Ackb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,14 +34,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._loaded_options = None
   _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._serialized_options = b'8\001'
+  _globals['_TRAINERSTATUS_DEADLETTERSENTRY']._loaded_options = None
+  _globals['_TRAINERSTATUS_DEADLETTERSENTRY']._serialized_options = b'8\001'
   _globals['_TRAINERSTATUS']._serialized_start=63
-  _globals['_TRAINERSTATUS']._serialized_end=330
-  _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._serialized_start=280
-  _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._serialized_end=330
-  _globals['_CHECKPOINTREQUEST']._serialized_start=332
-  _globals['_CHECKPOINTREQUEST']._serialized_end=365
-  _globals['_CHECKPOINTREPLY']._serialized_start=367
-  _globals['_CHECKPOINTREPLY']._serialized_end=415
-  _globals['_TRAINERSERVICE']._serialized_start=418
-  _globals['_TRAINERSERVICE']._serialized_end=670
+  _globals['_TRAINERSTATUS']._serialized_end=447
+  _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._serialized_start=345
+  _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._serialized_end=395
+  _globals['_TRAINERSTATUS_DEADLETTERSENTRY']._serialized_start=397
+  _globals['_TRAINERSTATUS_DEADLETTERSENTRY']._serialized_end=447
+  _globals['_CHECKPOINTREQUEST']._serialized_start=449
+  _globals['_CHECKPOINTREQUEST']._serialized_end=482
+  _globals['_CHECKPOINTREPLY']._serialized_start=484
+  _globals['_CHECKPOINTREPLY']._serialized_end=532
+  _globals['_TRAINERSERVICE']._serialized_start=535
+  _globals['_TRAINERSERVICE']._serialized_end=787
 # @@protoc_insertion_point(module_scope)

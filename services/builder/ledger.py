@@ -1,0 +1,93 @@
+"""The builder's durable records in a JetStream key-value bucket, so a builder restarted anywhere (another
+node, another pod) continues where the last one stopped.
+
+Keys: `issued` (train groups issued so far; group n is `g-<n>`, the n-th task of the seeded train stream),
+`dropped.<group_id>` (a group that will never be trained, with its reason), `eval.<round_id>` (an eval round
+that was issued). What the streams already hold is not repeated here: versions come from replaying EVENTS,
+batched groups from BATCHES.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import nats.js.errors
+from nats.js.api import KeyValueConfig
+
+from services.common.bus import Bus, retry
+
+BUCKET = "meshrl_builder"
+_KEY_UNSAFE = re.compile(r"[^-/_=a-zA-Z0-9]")  # the value keeps the exact group id
+
+
+@dataclasses.dataclass(frozen=True)
+class Dropped:
+    group_id: str
+    reason: str       # "stale", "dead_letter:<consumer>"
+    source: str       # "workflow" or "gateway"
+    trajectories: int
+
+
+@dataclasses.dataclass(frozen=True)
+class IssuedEval:
+    round_id: int
+    version: int
+    expected: int
+    final: bool
+
+
+@dataclasses.dataclass
+class LedgerState:
+    issued: int = 0
+    dropped: dict[str, Dropped] = dataclasses.field(default_factory=dict)
+    evals: dict[int, IssuedEval] = dataclasses.field(default_factory=dict)
+
+
+class Ledger:
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.kv = None
+
+    async def open(self) -> None:
+        async def open_kv():
+            try:
+                return await self.bus.js.key_value(BUCKET)
+            except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
+                return await self.bus.js.create_key_value(KeyValueConfig(bucket=BUCKET, history=1,
+                                                                         replicas=self.bus.replicas))
+
+        self.kv = await retry(open_kv, what=f"key-value bucket {BUCKET}")
+
+    async def load(self) -> LedgerState:
+        state = LedgerState()
+        for key in await retry(self._keys, what="ledger keys"):
+            value = await retry(lambda key=key: self.kv.get(key), what=f"ledger {key}")
+            record = json.loads(value.value)
+            if key == "issued":
+                state.issued = int(record)
+            elif key.startswith("dropped."):
+                state.dropped[record["group_id"]] = Dropped(**record)
+            elif key.startswith("eval."):
+                state.evals[record["round_id"]] = IssuedEval(**record)
+        return state
+
+    async def _keys(self) -> list[str]:
+        try:
+            return await self.kv.keys()
+        except nats.js.errors.NoKeysError:
+            return []
+
+    async def set_issued(self, n: int) -> None:
+        await self._put("issued", n)
+
+    async def add_dropped(self, dropped: Dropped) -> None:
+        await self._put("dropped." + _KEY_UNSAFE.sub("_", dropped.group_id), dataclasses.asdict(dropped))
+
+    async def add_eval(self, rnd: IssuedEval) -> None:
+        await self._put(f"eval.{rnd.round_id}", dataclasses.asdict(rnd))
+
+    async def _put(self, key: str, value) -> None:
+        data = json.dumps(value).encode()
+        await retry(lambda: self.kv.put(key, data), what=f"ledger {key}")

@@ -1,0 +1,145 @@
+"""Training batches on the BATCHES stream, one subject per index (`batches.train.<index>`).
+
+The stream keeps them (limits retention), so the trainer reads batch i by index (a restarted trainer
+re-reads what its last checkpoint does not cover) and a restarted builder learns which groups it has
+batched. A batch over the server's `max_payload` lives whole in the `BATCH_BLOBS` object store; the
+stream then carries a pointer (same index and group ids, no trajectories, `object_name` set).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import nats.js.errors
+
+from services.common.bus import SUBJECT_BATCHES, Bus, InvalidMessage, PayloadTooLarge, retry
+from services.common.contracts import data_pb2
+
+STREAM = "BATCHES"
+BLOBS = "BATCH_BLOBS"
+INDEX_HEADER = "Meshrl-Batch-Index"
+
+
+def batch_subject(index: int) -> str:
+    assert index >= 0
+    return f"{SUBJECT_BATCHES}.{index}"
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishedBatch:
+    index: int
+    group_ids: tuple[str, ...]
+    trajectory_ids: tuple[str, ...]
+
+
+async def publish_batch(bus: Bus, batch: data_pb2.TrainingBatch) -> bool:
+    """Publish batch `batch.index` (idempotent: the dedupe id is the index). False: a duplicate."""
+    msg_id = f"batch-{batch.index}"
+    headers = {INDEX_HEADER: str(batch.index)}
+    try:
+        return await bus.publish(batch_subject(batch.index), batch, msg_id, headers=headers)
+    except PayloadTooLarge:
+        pass
+    store = await _blobs(bus)
+    name = f"batch-{batch.index}"
+    await retry(lambda: store.put(name, batch.SerializeToString()), what=f"store {name}")
+    pointer = data_pb2.TrainingBatch(batch_id=batch.batch_id, index=batch.index, created_at=batch.created_at,
+                                     dropped_stale=batch.dropped_stale, group_ids=batch.group_ids, object_name=name)
+    return await bus.publish(batch_subject(batch.index), pointer, msg_id, headers=headers)
+
+
+async def read_batch(bus: Bus, index: int) -> data_pb2.TrainingBatch | None:
+    """Batch `index` (resolving an object-store pointer), or None when it has not been published yet.
+
+    InvalidMessage when what is stored under the index is not a readable training batch.
+    """
+    async def get():
+        try:
+            return await bus.js.get_last_msg(STREAM, batch_subject(index))
+        except nats.js.errors.NotFoundError:
+            return None
+
+    raw = await retry(get, what=f"read batch {index}")
+    if raw is None:
+        return None
+    batch = _decode(raw.data, f"batch {index}")
+    if batch.object_name:
+        store = await _blobs(bus)
+        result = await retry(lambda: store.get(batch.object_name), what=f"read {batch.object_name}")
+        batch = _decode(result.data, batch.object_name)
+    if batch.index != index:
+        raise InvalidMessage(f"index: batch under {batch_subject(index)} says {batch.index}")
+    return batch
+
+
+async def wait_batch(bus: Bus, index: int, stop: asyncio.Event, *, poll: float = 1.0) -> data_pb2.TrainingBatch | None:
+    """Batch `index` once it is published (woken by the publish, polling every `poll` s); None when stopped."""
+    arrived = asyncio.Event()
+
+    async def wake(_msg) -> None:
+        arrived.set()
+
+    sub = None
+    try:
+        sub = await bus.nc.subscribe(batch_subject(index), cb=wake)
+    except Exception:  # noqa: BLE001 - without the wake-up we still poll
+        sub = None
+    try:
+        while not stop.is_set():
+            batch = await read_batch(bus, index)
+            if batch is not None:
+                return batch
+            arrived.clear()
+            waiters = [asyncio.ensure_future(arrived.wait()), asyncio.ensure_future(stop.wait())]
+            await asyncio.wait(waiters, timeout=poll, return_when=asyncio.FIRST_COMPLETED)
+            for w in waiters:
+                w.cancel()
+        return None
+    finally:
+        if sub is not None:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+async def published_batches(bus: Bus) -> list[PublishedBatch]:
+    """Every batch the stream holds, by index (the builder's record of what it has batched)."""
+    info = await retry(lambda: bus.js.stream_info(STREAM), what="stream BATCHES")
+    out: dict[int, PublishedBatch] = {}
+    for seq in range(info.state.first_seq, info.state.last_seq + 1) if info.state.messages else ():
+        async def get(seq=seq):
+            try:
+                return await bus.js.get_msg(STREAM, seq)
+            except nats.js.errors.NotFoundError:
+                return None
+
+        raw = await retry(get, what=f"BATCHES seq {seq}")
+        if raw is None or not raw.data:
+            continue
+        try:
+            batch = _decode(raw.data, f"BATCHES seq {seq}")
+        except InvalidMessage:
+            continue
+        out[batch.index] = PublishedBatch(batch.index, tuple(batch.group_ids),
+                                          tuple(t.trajectory_id for t in batch.trajectories))
+    return [out[i] for i in sorted(out)]
+
+
+def _decode(data: bytes, what: str) -> data_pb2.TrainingBatch:
+    try:
+        return data_pb2.TrainingBatch.FromString(data)
+    except Exception as exc:  # noqa: BLE001 - protobuf raises DecodeError and friends
+        raise InvalidMessage(f"{what}: undecodable TrainingBatch: {exc}") from exc
+
+
+async def _blobs(bus: Bus):
+    async def open_store():
+        try:
+            return await bus.js.object_store(BLOBS)
+        except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
+            return await bus.js.create_object_store(BLOBS, replicas=bus.replicas, ttl=7 * 86400.0)
+
+    return await retry(open_store, what="object store BATCH_BLOBS")
+

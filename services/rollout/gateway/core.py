@@ -74,7 +74,8 @@ class Gateway:
             return Caller(None)
         session = self.sessions.by_key(token)
         if session is None:
-            raise ApiError(401, "unknown API key: start a session with POST /rl/start_session")
+            raise ApiError(401, "unknown API key: no session on this gateway has it (sessions do not survive a "
+                                "gateway restart); start a new episode with POST /rl/start_session")
         if not session.active:
             raise ApiError(409, f"session {session.id} has ended ({session.end_reason}); start a new one with /rl/start_session")
         return Caller(session)

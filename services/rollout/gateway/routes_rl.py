@@ -18,6 +18,11 @@ from services.rollout.gateway.session import Session
 _START_KEYS = frozenset({"task_id", "group_size", "api_key", "metadata"})
 
 
+# sessions live in the memory of the gateway replica that started them
+GONE = ("; if the gateway restarted since the session started, the session is gone: start a new episode "
+        "(POST /rl/start_session)")
+
+
 def add_rl_routes(app: Starlette, gw: Gateway) -> None:
     cfg = gw.config
     idempotent: dict[str, tuple[float, dict]] = {}
@@ -38,11 +43,11 @@ def add_rl_routes(app: Starlette, gw: Gateway) -> None:
             session_id = f.string(body, "session_id")
             session = gw.sessions.by_id(session_id)
             if session is None:
-                raise ApiError(404, f"session_id: {session_id!r} is not a known session", param="session_id")
+                raise ApiError(404, f"session_id: {session_id!r} is not a known session{GONE}", param="session_id")
             return session
         session = gw.sessions.by_key(token)
         if session is None:
-            raise ApiError(401, "unknown API key")
+            raise ApiError(401, f"unknown API key: not a session key of this gateway{GONE}")
         return session
 
     async def start_session(request: Request) -> Response:
@@ -85,7 +90,7 @@ def add_rl_routes(app: Starlette, gw: Gateway) -> None:
         require_admin(request)
         session = gw.sessions.by_id(request.path_params["session_id"])
         if session is None:
-            raise ApiError(404, "session not found", param="session_id")
+            raise ApiError(404, f"session not found{GONE}", param="session_id")
         return json_response({
             "session_id": session.id, "task_id": session.task_id, "group_id": session.group_id,
             "state": session.state.value, "end_reason": session.end_reason, "trajectories": session.exported,

@@ -83,11 +83,11 @@ STREAMS = (
 CONSUMERS = {
     spec.durable: spec
     for spec in (
-        ConsumerSpec("rollout", "PROMPTS", SUBJECT_PROMPTS, ack_wait=20.0),
-        ConsumerSpec("reward", "TRAJ", SUBJECT_TRAJ_RAW, ack_wait=20.0),
+        ConsumerSpec("rollout", "PROMPTS", SUBJECT_PROMPTS, ack_wait=15.0),
+        ConsumerSpec("reward", "TRAJ", SUBJECT_TRAJ_RAW, ack_wait=15.0),
         # the builder acks a trajectory only once the batch holding it is published; it keeps the ones it
         # holds alive (in_progress), so a dead builder's come back after ack_wait
-        ConsumerSpec("builder", "TRAJ", SUBJECT_TRAJ_SCORED, ack_wait=30.0, max_ack_pending=100_000),
+        ConsumerSpec("builder", "TRAJ", SUBJECT_TRAJ_SCORED, ack_wait=10.0, max_ack_pending=100_000),
     )
 }
 

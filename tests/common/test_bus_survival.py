@@ -1,0 +1,86 @@
+"""The data plane through failures (real nats-server): deliveries exhausted by dead processes end in the DLQ
+with a reason, a publish and a consumer ride out a server that is gone for a while, big batches go out of band."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.common.batches import publish_batch, published_batches, read_batch
+from services.common.bus import CONSUMERS, SUBJECT_TRAJ_RAW, Bus, consume, decoder
+from services.common.contracts import data_pb2
+from tests.common.test_bus import collect, dead_letters, traj
+
+ACK_WAIT = 1.0
+
+
+async def test_a_message_whose_consumers_keep_dying_is_dead_lettered_with_the_reason(nats_server):
+    bus = await Bus.connect(nats_server.url, name="test", ack_wait=ACK_WAIT)
+    try:
+        await bus.publish(SUBJECT_TRAJ_RAW, traj("cursed"), "cursed")
+        sub = await bus.js.pull_subscribe_bind(durable="reward", stream="TRAJ")
+        for _ in range(CONSUMERS["reward"].max_deliver):  # each delivery dies with its process: never acked
+            (msg,) = await sub.fetch(1, timeout=10)
+            assert msg.data
+            await asyncio.sleep(ACK_WAIT + 0.3)
+        await sub.unsubscribe()
+        await bus.publish(SUBJECT_TRAJ_RAW, traj("fine"), "fine")
+        got = await collect(bus, "reward", 1)
+        assert [t.trajectory_id for t in got] == ["fine"]
+        (letter,) = await dead_letters(bus, "reward", 1)
+        assert "not acked after 5 deliveries" in letter.reason
+        assert data_pb2.Trajectory.FromString(letter.data).trajectory_id == "cursed"
+        assert await bus.dead_letter_counts() == {"reward": 1}
+    finally:
+        await bus.close()
+
+
+async def test_publish_and_consume_ride_out_a_server_that_is_gone(nats_server):
+    bus = await Bus.connect(nats_server.url, name="test")
+    stop = asyncio.Event()
+    got: list[str] = []
+
+    async def handle(t: data_pb2.Trajectory) -> None:
+        got.append(t.trajectory_id)
+
+    task = asyncio.create_task(consume(bus, "reward", decoder(data_pb2.Trajectory), handle, stop))
+    try:
+        await bus.publish(SUBJECT_TRAJ_RAW, traj("before"), "before")
+        nats_server.proc.kill()
+        nats_server.proc.wait()
+
+        async def restart_later() -> None:
+            await asyncio.sleep(4.0)
+            nats_server.start()  # same port, same store
+
+        restarter = asyncio.create_task(restart_later())
+        assert await bus.publish(SUBJECT_TRAJ_RAW, traj("during"), "during") is True  # waits the outage out
+        await restarter
+        for _ in range(200):
+            if "during" in got:
+                break
+            await asyncio.sleep(0.1)
+        assert got == ["before", "during"]
+        assert not task.done(), "the consume loop must not exit on a lost server"
+    finally:
+        stop.set()
+        await task
+        await bus.close()
+
+
+async def test_a_batch_over_max_payload_is_stored_out_of_band_and_read_back_whole(nats_server):
+    bus = await Bus.connect(nats_server.url, name="test")
+    try:
+        trajectories = [data_pb2.Trajectory(trajectory_id=f"t{i}", group_id=f"g{i // 2}", completion_ids=[70_000] * 50_000)
+                        for i in range(8)]
+        batch = data_pb2.TrainingBatch(batch_id="batch-0", index=0, trajectories=trajectories,
+                                       group_ids=[f"g{i}" for i in range(4)])
+        assert batch.ByteSize() > bus.max_payload
+        assert await publish_batch(bus, batch) is True
+        assert await publish_batch(bus, batch) is False  # idempotent by index
+        back = await read_batch(bus, 0)
+        assert back == batch
+        assert await read_batch(bus, 1) is None
+        (summary,) = await published_batches(bus)
+        assert summary.index == 0 and summary.group_ids == ("g0", "g1", "g2", "g3")
+    finally:
+        await bus.close()

@@ -6,9 +6,10 @@ PYTHON  := $(BIN)/python
 SEED    ?= 0
 NAME    ?= seed$(SEED)
 ALGO    ?= grpo
+NATS    ?= single
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup run run-agent up down status test test-fast proto lint bench-weights bench-gateway clean
+.PHONY: setup run run-agent chaos up down status test test-fast proto lint bench-weights bench-gateway clean
 
 setup: $(STAMP)
 
@@ -20,13 +21,16 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $(STAMP)
 
 run: setup
-	$(PYTHON) -m launcher run --name $(NAME) --seed $(SEED) --algo $(ALGO)
+	$(PYTHON) -m launcher run --name $(NAME) --seed $(SEED) --algo $(ALGO) --nats $(NATS)
+
+chaos: setup
+	$(PYTHON) -m launcher chaos --seed $(SEED) --name chaos-$(NAME) --nats $(NATS) $(if $(KILLS),--kills $(KILLS)) $(if $(SERVICES),--services $(SERVICES))
 
 run-agent: setup
 	$(PYTHON) -m launcher run --config configs/agent.yaml --name agent-$(NAME) --seed $(SEED)
 
 up: setup
-	$(PYTHON) -m launcher up --seed $(SEED) --algo $(ALGO)
+	$(PYTHON) -m launcher up --seed $(SEED) --algo $(ALGO) --nats $(NATS)
 
 down:
 	$(PYTHON) -m launcher down

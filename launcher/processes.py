@@ -1,12 +1,16 @@
-"""Local processes: a real nats-server with JetStream, free ports."""
+"""Local processes: real nats-servers with JetStream (one, or a three-node cluster), free ports."""
 
 from __future__ import annotations
 
+import asyncio
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Sequence
 
 
 def free_port() -> int:
@@ -20,11 +24,24 @@ def nats_server_binary() -> str:
 
 
 class NatsServer:
-    """A real nats-server with JetStream on a free loopback port."""
+    """A real nats-server with JetStream on a loopback port (a free one unless given).
 
-    def __init__(self, store: pathlib.Path, port: int | None = None) -> None:
+    With `cluster_port` it is one node of a cluster: `server_name`, `cluster_name` and `routes` (the other
+    nodes' cluster URLs) go on its command line. `spawn()` starts the process without waiting (what a
+    supervisor restarts), `start()` also waits until it accepts connections. Output goes to `log_path`
+    (appended) when given.
+    """
+
+    def __init__(self, store: pathlib.Path, port: int | None = None, *, log_path: pathlib.Path | None = None,
+                 server_name: str = "", cluster_name: str = "", cluster_port: int | None = None,
+                 routes: Sequence[str] = ()) -> None:
         self.store = store
         self.port = port or free_port()
+        self.log_path = log_path
+        self.server_name = server_name
+        self.cluster_name = cluster_name
+        self.cluster_port = cluster_port
+        self.routes = list(routes)
         self.proc: subprocess.Popen | None = None
         self.detach = False  # survive the parent (make up)
 
@@ -32,21 +49,188 @@ class NatsServer:
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
-    def start(self) -> None:
+    def command(self) -> list[str]:
+        cmd = [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(self.store)]
+        if self.server_name:
+            cmd += ["--server_name", self.server_name]
+        if self.cluster_port is not None:
+            cmd += ["--cluster_name", self.cluster_name or "meshrl", "--cluster",
+                    f"nats://127.0.0.1:{self.cluster_port}"]
+            if self.routes:
+                cmd += ["--routes", ",".join(self.routes)]
+        return cmd
+
+    def spawn(self) -> subprocess.Popen:
+        """Start the process (same port, store and log every time) and return it, without waiting."""
         self.store.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen([nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(self.port),
-                                      "-sd", str(self.store)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=self.detach)
-        deadline = time.time() + 10
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.log_path, "ab") as log:
+                self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                             start_new_session=self.detach)
+        else:
+            self.proc = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                         start_new_session=self.detach)
+        return self.proc
+
+    def start(self, timeout: float = 10.0) -> None:
+        self.spawn()
+        self.wait_listening(timeout)
+
+    def wait_listening(self, timeout: float = 10.0) -> None:
+        """Until the client port accepts connections; raises when the process died or the time ran out."""
+        deadline = time.time() + timeout
         while time.time() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited with {self.proc.returncode}"
+                                   + (f"; see {self.log_path}" if self.log_path else ""))
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
                 return
             except OSError:
                 time.sleep(0.05)
-        raise RuntimeError("nats-server did not start")
+        raise RuntimeError(f"nats-server did not start listening on {self.port} within {timeout}s")
 
-    def stop(self) -> None:
-        if self.proc:
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.alive:
+            self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc and self.proc.poll() is None:
             self.proc.terminate()
-            self.proc.wait(timeout=10)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class NatsCluster:
+    """Three (or `size`) real nats-servers with JetStream in one cluster `meshrl`, each with its own store.
+
+    `url` is the comma-separated list of the client URLs (what services take as `nats_url`). `start()` returns
+    once the JetStream meta leader is elected; `kill(i)` and `start_node(i)` stop and bring back one node.
+    """
+
+    def __init__(self, store: pathlib.Path, ports: Sequence[int] | None = None,
+                 cluster_ports: Sequence[int] | None = None, *, size: int = 3, name: str = "meshrl",
+                 log_dir: pathlib.Path | None = None) -> None:
+        ports = list(ports) if ports else [free_port() for _ in range(size)]
+        cluster_ports = list(cluster_ports) if cluster_ports else [free_port() for _ in range(size)]
+        if len(ports) != size:
+            raise ValueError(f"ports: need {size}, got {len(ports)}")
+        if len(cluster_ports) != size:
+            raise ValueError(f"cluster_ports: need {size}, got {len(cluster_ports)}")
+        if len(set(ports) | set(cluster_ports)) != 2 * size:
+            raise ValueError(f"ports, cluster_ports: must be {2 * size} distinct ports, got {ports} and {cluster_ports}")
+        self.store = store
+        self.name = name
+        routes = [f"nats://127.0.0.1:{p}" for p in cluster_ports]
+        self.nodes = [
+            NatsServer(store / f"n{i}", ports[i], server_name=f"n{i}", cluster_name=name, cluster_port=cluster_ports[i],
+                       routes=[r for j, r in enumerate(routes) if j != i],
+                       log_path=log_dir / f"nats-n{i}.log" if log_dir is not None else None)
+            for i in range(size)
+        ]
+
+    @property
+    def urls(self) -> list[str]:
+        return [node.url for node in self.nodes]
+
+    @property
+    def url(self) -> str:
+        return ",".join(self.urls)
+
+    @property
+    def detach(self) -> bool:
+        return self.nodes[0].detach
+
+    @detach.setter
+    def detach(self, value: bool) -> None:
+        for node in self.nodes:
+            node.detach = value
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Start every node, then wait until JetStream answers (a meta leader is elected)."""
+        for node in self.nodes:
+            node.spawn()
+        for node in self.nodes:
+            node.wait_listening(timeout)
+        self.wait_jetstream(timeout)
+
+    def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
+        self.nodes[i].kill(sig)
+        if sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT) and self.nodes[i].proc is not None:
+            try:
+                self.nodes[i].proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def start_node(self, i: int, *, timeout: float = 30.0) -> None:
+        """Start node `i` again (same ports and store) and wait until JetStream answers through it."""
+        self.nodes[i].start(timeout)
+        self.wait_jetstream(timeout, urls=[self.nodes[i].url])
+
+    def wait_jetstream(self, timeout: float = 30.0, *, urls: Sequence[str] | None = None) -> None:
+        run_sync(jetstream_ready(list(urls or self.urls), timeout))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for node in self.nodes:
+            if node.alive:
+                node.proc.terminate()
+        for node in self.nodes:
+            node.stop(timeout)
+
+
+async def jetstream_ready(urls: Sequence[str], timeout: float) -> None:
+    """Until `account_info()` succeeds through one of `urls` (so a JetStream meta leader exists), or TimeoutError."""
+    import nats
+
+    async def quiet(*_args) -> None:
+        return None
+
+    deadline = time.monotonic() + timeout
+    last: BaseException | None = None
+    while time.monotonic() < deadline:
+        for url in urls:
+            try:
+                nc = await nats.connect(servers=[url], connect_timeout=1, allow_reconnect=False,
+                                        max_reconnect_attempts=0, error_cb=quiet)
+            except Exception as exc:  # not listening yet
+                last = exc
+                continue
+            try:
+                await nc.jetstream(timeout=1.0).account_info()
+                return
+            except Exception as exc:  # no meta leader yet ("JetStream system temporarily unavailable") or timeout
+                last = exc
+            finally:
+                await nc.close()
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"JetStream not ready on {','.join(urls)} within {timeout}s: {last!r}")
+
+
+def run_sync(coro) -> None:
+    """Run a coroutine to completion from sync code, also when the caller is inside a running event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        asyncio.run(coro)
+        return
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            asyncio.run(coro)
+        except BaseException as exc:  # re-raised in the caller
+            errors.append(exc)
+
+    thread = threading.Thread(target=target, name="nats-wait")
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]

@@ -1,4 +1,6 @@
-"""Start, watch and stop the local stack: one nats-server and the five services as processes."""
+"""Start, watch and stop the local stack: nats-server (one or a three-node cluster) and the five services as
+processes, each restarted by a supervisor when it dies (`make run` in-process, `make up` in a detached
+`python -m launcher supervise` process that `make down` stops first)."""
 
 from __future__ import annotations
 
@@ -6,9 +8,11 @@ import asyncio
 import json
 import os
 import pathlib
+import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -16,20 +20,33 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from launcher.agents import AgentDriver
-from launcher.processes import NatsServer, free_port
+from launcher.processes import NatsCluster, NatsServer, free_port
 from launcher.report import EventLog, write_report
+from launcher.supervisor import Backoff, Supervisor, pid_alive
 from launcher.watch import watch_run
 from services.rollout.gateway.config import DEV_ADMIN_KEY
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SERVICES = ("weight_exchange", "reward", "builder", "trainer", "rollout")
+NATS_MODES = ("single", "cluster")
+# nats: the (first) client port; nats_1, nats_2 and nats_route_0..2: the other client ports and the route
+# ports of a three-node cluster (NATS=cluster)
+NATS_CLUSTER_KEYS = ("nats_1", "nats_2", "nats_route_0", "nats_route_1", "nats_route_2")
 DEFAULT_PORTS = {"rollout": 50051, "reward": 50052, "builder": 50053, "trainer": 50054, "weight_exchange": 50055,
-                 "nats": 4222, "gateway": 8000}
+                 "nats": 4222, "gateway": 8000, "nats_1": 4223, "nats_2": 4224, "nats_route_0": 6222,
+                 "nats_route_1": 6223, "nats_route_2": 6224}
 STATE_FILE = ROOT / ".stack" / "state.json"
 
 
 def random_ports() -> dict[str, int]:
-    return {name: free_port() for name in (*SERVICES, "nats", "gateway")}
+    return {name: free_port() for name in (*SERVICES, "nats", "gateway", *NATS_CLUSTER_KEYS)}
+
+
+def nats_cluster_ports(ports: dict[str, int]) -> tuple[list[int], list[int]]:
+    """The three client ports and the three route ports of a local cluster (free ones where `ports` has none)."""
+    client = [ports["nats"], ports.get("nats_1") or free_port(), ports.get("nats_2") or free_port()]
+    cluster = [ports.get(f"nats_route_{i}") or free_port() for i in range(3)]
+    return client, cluster
 
 
 # name -> scripts/bootstrap_model.py flags; the agents' model starts higher so sampled groups carry signal
@@ -51,23 +68,110 @@ def ensure_model(name: str, seed: int) -> pathlib.Path:
 
 
 class Stack:
-    def __init__(self, run_dir: pathlib.Path, ports: dict[str, int]) -> None:
+    """nats-server (one, or a three-node cluster) and the five services as supervised processes.
+
+    A process that dies is started again (same command line, config file, ports and log file) after a back-off
+    (`launcher.supervisor.Backoff`), until `stop()`; `kill()` is the hook for chaos tests.
+    """
+
+    def __init__(self, run_dir: pathlib.Path, ports: dict[str, int], *, nats_mode: str = "single",
+                 rng: random.Random | None = None, policy: Backoff | None = None) -> None:
+        if nats_mode not in NATS_MODES:
+            raise ValueError(f"nats_mode: must be one of {', '.join(NATS_MODES)}, got {nats_mode!r}")
         self.run_dir = run_dir
         self.ports = ports
-        self.nats = NatsServer(run_dir / "nats", port=ports["nats"])
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.nats_mode = nats_mode
+        self.rng = rng or random.Random()
+        logs = run_dir / "logs"
+        self.nats: NatsServer | NatsCluster
+        if nats_mode == "single":
+            self.nats = NatsServer(run_dir / "nats", port=ports["nats"], log_path=logs / "nats.log")
+        else:
+            client, cluster = nats_cluster_ports(ports)
+            self.nats = NatsCluster(run_dir / "nats", client, cluster, log_dir=logs)
+        self.supervisor = Supervisor(policy, log_path=logs / "supervisor.log")
+        self.config_files: dict[str, pathlib.Path] = {}
+        self._nats_node = 0  # the cluster node the latest kill("nats") hit
+
+    # what runs
+
+    @property
+    def nats_children(self) -> list[str]:
+        """The supervised names of the NATS processes: "nats", or "nats-n0".."nats-n2" in cluster mode."""
+        if isinstance(self.nats, NatsCluster):
+            return [f"nats-n{i}" for i in range(len(self.nats.nodes))]
+        return ["nats"]
+
+    @property
+    def procs(self) -> dict[str, subprocess.Popen]:
+        """Each started service's current process (the dead one while it waits for its restart)."""
+        return {s: self.supervisor.proc(s) for s in SERVICES if s in self.supervisor.names}
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        """Restarts per service and for "nats" (all nodes together in cluster mode)."""
+        counts = self.supervisor.restarts
+        out = {s: counts.get(s, 0) for s in SERVICES}
+        out["nats"] = sum(counts.get(c, 0) for c in self.nats_children)
+        return out
+
+    def pid(self, name: str) -> int | None:
+        """The pid of a service, of "nats" or of a cluster node ("nats-n1"); None while it is down.
+
+        In cluster mode "nats" means the node the latest `kill("nats")` hit (node 0 before any).
+        """
+        return self.supervisor.pid(self._child(name))
+
+    def kill(self, name: str, sig: int = signal.SIGKILL, *, rng: random.Random | None = None) -> str:
+        """Send `sig` to one of the five services or "nats"; the supervisor restarts it after its back-off.
+
+        In cluster mode "nats" picks one running node at random (`rng`, else the Stack's `rng`). Returns the
+        supervised name signalled ("rollout", "nats", "nats-n2"); wait for `restarts[name]` to grow.
+        """
+        if name == "nats" and isinstance(self.nats, NatsCluster):
+            running = [i for i, node in enumerate(self.nats.nodes) if node.alive] or list(range(len(self.nats.nodes)))
+            self._nats_node = (rng or self.rng).choice(running)
+        child = self._child(name)
+        self.supervisor.kill(child, sig)
+        return child
+
+    def _child(self, name: str) -> str:
+        if name == "nats":
+            return self.nats_children[self._nats_node] if isinstance(self.nats, NatsCluster) else "nats"
+        if name in SERVICES or name in self.nats_children:
+            return name
+        raise ValueError(f"name: unknown {name!r} (one of {', '.join((*SERVICES, *self.nats_children))}, nats)")
+
+    def snapshot(self) -> dict:
+        """Pids and restart counts, as `make up` records them in its state file."""
+        return {"pids": {s: self.supervisor.pid(s) for s in SERVICES if s in self.supervisor.names},
+                "nats_pids": {c: self.supervisor.pid(c) for c in self.nats_children if c in self.supervisor.names},
+                "restarts": self.restarts, "nats_url": self.nats.url, "nats_mode": self.nats_mode}
 
     def address(self, service: str) -> str:
         return f"127.0.0.1:{self.ports[service]}"
 
+    # start and stop
+
+    def start_nats(self, *, detach: bool = False) -> None:
+        """Start NATS (waiting until it serves; for a cluster, until JetStream has a meta leader), supervised."""
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.nats.detach = detach
+        self.nats.start()
+        nodes = self.nats.nodes if isinstance(self.nats, NatsCluster) else [self.nats]
+        for child, node in zip(self.nats_children, nodes, strict=True):
+            self.supervisor.add(child, node.spawn, proc=node.proc)
+        self.supervisor.start()
+
     def start(self, plan: dict, *, seed: int, model_path: pathlib.Path, algo: str = "", detach: bool = False) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "logs").mkdir(exist_ok=True)
-        self.nats.start()
+        self.start_nats(detach=detach)
         for service in SERVICES:
             cfg = dict(plan.get("services", {}).get(service) or {})
             cfg.update(nats_url=self.nats.url, grpc_address=self.address(service), run_dir=str(self.run_dir),
                        metrics_port=self.ports[service] + 1000 if detach else 0)
+            if self.nats_mode == "cluster":
+                cfg["nats_replicas"] = 3
             if service in ("rollout", "trainer"):
                 cfg["wx_address"] = self.address("weight_exchange")
             if service in ("builder", "reward", "trainer"):
@@ -89,31 +193,47 @@ class Stack:
             config_file = self.run_dir / "config" / f"{service}.yaml"
             config_file.parent.mkdir(exist_ok=True)
             config_file.write_text(yaml.safe_dump(cfg))
-            log = open(self.run_dir / "logs" / f"{service}.log", "ab")  # noqa: SIM115 - owned by the process
-            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-            self.procs[service] = subprocess.Popen(
-                [sys.executable, "-m", f"services.{service}", "--config", str(config_file)], cwd=ROOT, env=env,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=detach)
+            self.config_files[service] = config_file
+            self.supervisor.add(service, self._spawner(service, config_file, detach=detach))
 
-    def wait_healthy(self, timeout: float = 120.0) -> None:
+    def _spawner(self, service: str, config_file: pathlib.Path, *, detach: bool):
+        """Starts the service; every restart gets the same config file, ports and (appended) log file."""
+        log_path = self.run_dir / "logs" / f"{service}.log"
+
+        def spawn() -> subprocess.Popen:
+            with open(log_path, "ab") as log:
+                return subprocess.Popen([sys.executable, "-m", f"services.{service}", "--config", str(config_file)],
+                                        cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=detach)
+
+        return spawn
+
+    def wait_healthy(self, timeout: float = 120.0, *, max_exits: int = 3) -> None:
+        """Until every service is SERVING; raises when one exits `max_exits` times meanwhile (a crash loop)."""
         deadline = time.time() + timeout
+        before = self.supervisor.restarts
         for service in SERVICES:
             while not health_check(self.address(service)):
-                proc = self.procs[service]
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{service} exited with {proc.returncode}; see {self.run_dir}/logs/{service}.log")
+                proc = self.supervisor.proc(service)
+                down = proc is not None and proc.poll() is not None
+                exits = self.supervisor.restarts[service] - before[service] + int(down)
+                if exits >= max_exits:
+                    raise RuntimeError(f"{service} exited {exits} times while starting (last exit code "
+                                       f"{proc.returncode}); see {self.run_dir}/logs/{service}.log")
                 if time.time() > deadline:
                     raise TimeoutError(f"{service} not SERVING after {timeout}s")
                 time.sleep(0.2)
 
     def stop(self, grace: float = 30.0) -> dict[str, int | None]:
-        """SIGTERM every service (rollout first, so no new work starts), then the bus."""
+        """Stop supervising, then SIGTERM every service (rollout first, so no new work starts), then the bus."""
+        self.supervisor.stop()
+        procs = self.procs
         for service in reversed(SERVICES):
-            proc = self.procs.get(service)
+            proc = procs.get(service)
             if proc and proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         codes = {}
-        for service, proc in self.procs.items():
+        for service, proc in procs.items():
             try:
                 codes[service] = proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
@@ -139,8 +259,14 @@ def load_plan(config: str) -> dict:
 
 
 def run(config: str, *, name: str, seed: int = 0, algo: str = "", ports: dict[str, int] | None = None,
-        runs_root: pathlib.Path | None = None, progress: bool = True, on_healthy=None) -> dict:
-    """The main job: start the stack, train until the builder reports the run's end, report, stop."""
+        runs_root: pathlib.Path | None = None, progress: bool = True, on_healthy=None,
+        nats_mode: str = "single", before_stop=None) -> dict:
+    """The main job: start the stack, train until the builder reports the run's end, report, stop.
+
+    A service (or NATS) that dies meanwhile is restarted; the run ends on the builder's RUN_END or its timeout.
+    Hooks: `on_healthy(stack, events)` once every service serves; `before_stop(stack, summary)` after the
+    report, while the stack still runs.
+    """
     plan = load_plan(config)
     model_path = ensure_model(plan.get("model", "tiny-qwen3"), seed)
     run_dir = (runs_root or ROOT / "runs") / name
@@ -148,7 +274,7 @@ def run(config: str, *, name: str, seed: int = 0, algo: str = "", ports: dict[st
         import shutil
 
         shutil.rmtree(run_dir)
-    stack = Stack(run_dir, ports or random_ports())
+    stack = Stack(run_dir, ports or random_ports(), nats_mode=nats_mode)
     events = EventLog(run_dir / "metrics.jsonl")
     started = time.time()
     summary: dict = {"completed": False}
@@ -157,7 +283,7 @@ def run(config: str, *, name: str, seed: int = 0, algo: str = "", ports: dict[st
         stack.start(plan, seed=seed, model_path=model_path, algo=algo)
         stack.wait_healthy()
         if on_healthy is not None:
-            on_healthy(stack)
+            on_healthy(stack, events)
         if plan.get("agents"):
             agents = AgentDriver(plan["agents"], plan.get("agent_args", []), log_path=run_dir / "logs" / "agents.log",
                                  gateway_url=f"http://127.0.0.1:{stack.ports['gateway']}")
@@ -167,18 +293,29 @@ def run(config: str, *, name: str, seed: int = 0, algo: str = "", ports: dict[st
                                           progress=progress))
         summary = write_report(stack, events, run_dir, plan=plan, seed=seed, algo=algo or plan["services"].get(
             "trainer", {}).get("algo", "grpo"), wall_seconds=time.time() - started, completed=completed)
+        if before_stop is not None:
+            before_stop(stack, summary)
     finally:
         if agents is not None:
             agents.stop()
         codes = stack.stop()
         summary["exit_codes"] = codes
+        summary["restarts"] = stack.restarts
+        summary["nats_mode"] = nats_mode
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
     return summary
 
 
-def up(config: str, *, seed: int = 0, algo: str = "") -> None:
-    """The same stack in the background, unbounded, on the default ports."""
+# make up / down / status: `up` writes the stack's spec into STATE_FILE and starts a detached supervisor
+# process (`python -m launcher supervise --state STATE_FILE`) that owns the processes: it starts them,
+# restarts any that dies, records pids and restarts in STATE_FILE, and on SIGTERM (`make down`) stops
+# supervising, stops everything and removes STATE_FILE.
+
+def up(config: str, *, seed: int = 0, algo: str = "", nats_mode: str = "single", timeout: float = 180.0) -> None:
+    """The same stack in the background, unbounded, on the default ports, kept running by a supervisor process."""
+    if nats_mode not in NATS_MODES:
+        raise SystemExit(f"--nats: must be one of {', '.join(NATS_MODES)}, got {nats_mode!r}")
     if STATE_FILE.exists():
         raise SystemExit(f"a stack is already up ({STATE_FILE}); run `make down` first")
     plan = load_plan(config)
@@ -190,50 +327,135 @@ def up(config: str, *, seed: int = 0, algo: str = "") -> None:
     rollout["gateway_enabled"] = True
     rollout.setdefault("engine", {})["max_context"] = 2048  # agent prompts with tools are long in characters
     model_path = ensure_model(plan.get("model", "tiny-qwen3"), seed)
-    stack = Stack(ROOT / "runs" / "up", DEFAULT_PORTS)
-    stack.nats.detach = True
-    stack.start(plan, seed=seed, model_path=model_path, algo=algo, detach=True)
-    STATE_FILE.parent.mkdir(exist_ok=True)
-    STATE_FILE.write_text(json.dumps({"pids": {s: p.pid for s, p in stack.procs.items()},
-                                      "nats_pid": stack.nats.proc.pid, "ports": DEFAULT_PORTS}))
-    stack.wait_healthy()
+    run_dir = ROOT / "runs" / "up"
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    spec = {"plan": plan, "seed": seed, "algo": algo, "model_path": str(model_path), "nats_mode": nats_mode,
+            "ports": DEFAULT_PORTS, "run_dir": str(run_dir)}
+    write_state(STATE_FILE, {"status": "starting", "spec": spec})
+    launcher_log = run_dir / "logs" / "launcher.log"
+    with open(launcher_log, "ab") as log:
+        supervisor = subprocess.Popen([sys.executable, "-m", "launcher", "supervise", "--state", str(STATE_FILE)],
+                                      cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdin=subprocess.DEVNULL,
+                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + timeout
+    for service in SERVICES:
+        while not health_check(f"127.0.0.1:{DEFAULT_PORTS[service]}"):
+            if supervisor.poll() is not None:
+                STATE_FILE.unlink(missing_ok=True)
+                raise SystemExit(f"the supervisor exited with {supervisor.returncode}; see {launcher_log}")
+            restarts = read_state(STATE_FILE).get("restarts", {}).get(service, 0)
+            if restarts >= 3:
+                raise SystemExit(f"{service} keeps exiting ({restarts} restarts); see {run_dir}/logs/{service}.log, "
+                                 "then `make down`")
+            if time.time() > deadline:
+                raise SystemExit(f"{service} not SERVING after {timeout}s; see {run_dir}/logs, then `make down`")
+            time.sleep(0.2)
+    nats_url = read_state(STATE_FILE).get("nats_url", f"nats://127.0.0.1:{DEFAULT_PORTS['nats']}")
     print("meshrl is up: " + ", ".join(f"{s} 127.0.0.1:{DEFAULT_PORTS[s]}" for s in SERVICES)
-          + f"; nats://127.0.0.1:{DEFAULT_PORTS['nats']}; logs in runs/up/logs")
+          + f"; {nats_url}; logs in runs/up/logs; supervised (pid {supervisor.pid}, runs/up/logs/supervisor.log)")
     admin_key = os.environ.get("MESHRL_ADMIN_KEY")
     print("agent gateway: http://127.0.0.1:8000/v1 (OpenAI), http://127.0.0.1:8000 (Anthropic); admin key: "
           + ("$MESHRL_ADMIN_KEY" if admin_key else f"{DEV_ADMIN_KEY} (development default; set MESHRL_ADMIN_KEY)"))
 
 
-def down() -> None:
+def supervise(state_path: pathlib.Path) -> None:
+    """The detached supervisor of `make up`: start the stack from the spec in `state_path`, keep it running
+    (recording pids and restarts there), and on SIGTERM or SIGINT stop supervising, stop it all, remove the file."""
+    state = read_state(state_path)
+    spec = state["spec"]
+    stopping = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.set())
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    stack = Stack(pathlib.Path(spec["run_dir"]), spec["ports"], nats_mode=spec.get("nats_mode", "single"))
+
+    def save(status: str) -> None:
+        write_state(state_path, {**state, "status": status, "supervisor_pid": os.getpid(), **stack.snapshot()})
+
+    save("starting")
+    try:
+        stack.start(spec["plan"], seed=spec["seed"], model_path=pathlib.Path(spec["model_path"]), algo=spec["algo"],
+                    detach=True)
+        save("running")
+        last = None
+        while not stopping.wait(1.0):
+            snapshot = stack.snapshot()
+            if snapshot != last:
+                save("running")
+                last = snapshot
+    finally:
+        save("stopping")
+        codes = stack.stop()
+        print(json.dumps({"stopped": True, "exit_codes": codes, "restarts": stack.restarts}), file=sys.stderr)
+        state_path.unlink(missing_ok=True)
+
+
+def down(grace: float = 30.0) -> None:
+    """Stop the supervisor first (it stops the services and NATS), then anything it left behind."""
     if not STATE_FILE.exists():
         print("no stack is up")
         return
-    state = json.loads(STATE_FILE.read_text())
-    pids = [*state["pids"].values()]
-    for pid in pids:
-        _signal(pid, signal.SIGTERM)
-    deadline = time.time() + 30
-    while time.time() < deadline and any(_alive(p) for p in pids):
+    state = read_state(STATE_FILE)
+    deadline = time.time() + 10
+    while "supervisor_pid" not in state and time.time() < deadline and STATE_FILE.exists():  # still starting
         time.sleep(0.2)
-    for pid in pids:
+        state = read_state(STATE_FILE) or state
+    pid = state.get("supervisor_pid")
+    if pid and pid_alive(pid):
+        _signal(pid, signal.SIGTERM)
+        deadline = time.time() + grace + 30  # it gives the services `grace` s, then stops NATS
+        while time.time() < deadline and pid_alive(pid):
+            time.sleep(0.2)
         _signal(pid, signal.SIGKILL)
-    _signal(state["nats_pid"], signal.SIGTERM)
-    STATE_FILE.unlink()
+        state = read_state(STATE_FILE) or state
+    # a supervisor that crashed or was killed leaves its processes running
+    pids = [p for p in state.get("pids", {}).values() if p and pid_alive(p)]
+    for p in pids:
+        _signal(p, signal.SIGTERM)
+    deadline = time.time() + grace
+    while time.time() < deadline and any(pid_alive(p) for p in pids):
+        time.sleep(0.2)
+    for p in pids:
+        _signal(p, signal.SIGKILL)
+    for p in state.get("nats_pids", {}).values():
+        if p:
+            _signal(p, signal.SIGTERM)
+    STATE_FILE.unlink(missing_ok=True)
     print("meshrl is down")
 
 
 def status() -> None:
+    state = read_state(STATE_FILE)
+    restarts = state.get("restarts", {})
     for service in SERVICES:
         addr = f"127.0.0.1:{DEFAULT_PORTS[service]}"
-        print(f"{service:16s} {addr:18s} {'SERVING' if health_check(addr) else 'DOWN'}")
+        line = f"{service:16s} {addr:18s} {'SERVING' if health_check(addr) else 'DOWN'}"
+        print(line + (f"  restarts {restarts[service]}" if restarts.get(service) else ""))
+    if state:
+        for child, pid in state.get("nats_pids", {}).items():
+            alive = bool(pid) and pid_alive(pid)
+            print(f"{child:16s} {'pid ' + str(pid) if pid else '':18s} {'RUNNING' if alive else 'DOWN'}")
+        if restarts.get("nats"):
+            print(f"nats restarts: {restarts['nats']}")
+        sup = state.get("supervisor_pid")
+        print(f"supervisor       pid {sup or '-'} {'RUNNING' if sup and pid_alive(sup) else 'DOWN'} "
+              f"({state.get('status', '?')}, nats {state.get('nats_mode', '?')})")
 
 
-def _alive(pid: int) -> bool:
+def read_state(path: pathlib.Path) -> dict:
+    """The state file's content, {} when there is none (or it is being replaced)."""
     try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    return True
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def write_state(path: pathlib.Path, state: dict) -> None:
+    """Atomically: readers see the old or the new file, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(state, indent=1))
+    os.replace(tmp, path)
 
 
 def _signal(pid: int, sig: int) -> None:

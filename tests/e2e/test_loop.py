@@ -34,7 +34,7 @@ def probe(stack, found: dict) -> None:
 def test_asynchronous_rl_loop_improves_the_model(tmp_path):
     found: dict = {}
     summary = run("configs/e2e.yaml", name="e2e", seed=0, ports=random_ports(), runs_root=tmp_path, progress=False,
-                  on_healthy=lambda stack: probe(stack, found))
+                  on_healthy=lambda stack, events: probe(stack, found))
     run_dir = tmp_path / "e2e"
     assert found["health"] == {s: True for s in SERVICES}
     assert "meshrl.v1.TrainerService" in found["grpcurl_list"] and "grpc.health.v1.Health" in found["grpcurl_list"]

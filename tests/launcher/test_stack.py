@@ -1,0 +1,174 @@
+"""The Stack's supervision with real processes: NATS (single and cluster) restarted after a kill, JetStream data
+kept, watch_run across a NATS restart, and the five services' configs and restarts (dummy processes stand in
+for the services, which other tests start for real)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import nats
+import pytest
+import yaml
+from nats.js.api import StorageType
+
+from launcher.processes import NatsCluster
+from launcher.report import EventLog
+from launcher.stack import SERVICES, Stack, random_ports
+from launcher.supervisor import Backoff
+from launcher.watch import watch_run
+from services.common.contracts import data_pb2
+
+FAST = Backoff(initial=0.2, factor=2, cap=1.0, reset_after=60)
+
+
+async def _quiet(*_args) -> None:
+    return None
+
+
+async def _wait(predicate, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met")
+        await asyncio.sleep(0.02)
+
+
+async def _retry(make, timeout: float = 15.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await make()
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
+async def test_killed_nats_is_restarted_on_its_port_with_its_jetstream_data(tmp_path):
+    stack = Stack(tmp_path / "run", random_ports(), policy=FAST)
+    stack.start_nats()
+    try:
+        nc = await nats.connect(stack.nats.url, error_cb=_quiet)
+        js = nc.jetstream(timeout=3.0)
+        await js.add_stream(name="KEEP", subjects=["keep.>"], storage=StorageType.FILE)
+        await js.publish("keep.a", b"before the kill")
+        await nc.close()
+
+        old = stack.pid("nats")
+        assert stack.kill("nats") == "nats"
+        await _wait(lambda: stack.restarts["nats"] == 1, 5)
+        assert stack.pid("nats") not in (None, old)
+        assert stack.restarts == {**{s: 0 for s in SERVICES}, "nats": 1}
+        stack.nats.wait_listening()
+        nc = await _retry(lambda: nats.connect(stack.nats.url, error_cb=_quiet, allow_reconnect=False))
+        js = nc.jetstream(timeout=3.0)
+        msg = await _retry(lambda: js.get_msg("KEEP", 1))
+        assert msg.data == b"before the kill"
+        await nc.close()
+        log = (tmp_path / "run" / "logs" / "supervisor.log").read_text()
+        assert '"service": "nats"' in log and '"exit_code": -9' in log
+    finally:
+        codes = stack.stop()
+    assert codes == {} and not stack.nats.alive
+    time.sleep(0.5)
+    assert not stack.nats.alive, "no restart after stop()"
+
+
+@pytest.mark.parametrize("nats_mode", ["single", "cluster"])
+async def test_watch_run_survives_a_nats_restart(tmp_path, nats_mode):
+    stack = Stack(tmp_path / "run", random_ports(), nats_mode=nats_mode, rng=random.Random(0), policy=FAST)
+    await asyncio.to_thread(stack.start_nats)
+    servers = stack.nats.url.split(",")
+    try:
+        nc = await nats.connect(servers=servers, error_cb=_quiet)
+        js = nc.jetstream(timeout=3.0)
+        await js.add_stream(name="EVENTS", subjects=["events.>"], storage=StorageType.FILE,
+                            num_replicas=len(servers))
+        await js.publish("events.version", data_pb2.VersionEvent(kind=data_pb2.VERSION_KIND_TRAINED, version=1,
+                                                                 at=time.time()).SerializeToString())
+        await nc.close()
+        events = EventLog(tmp_path / "metrics.jsonl")
+        watcher = asyncio.create_task(watch_run(stack, events, total_steps=2, timeout=25, progress=False))
+        await _wait(lambda: len(events.records) == 1, 10)
+        stack.kill("nats")
+        await _wait(lambda: stack.restarts["nats"] == 1, 5)
+        assert not watcher.done(), "a dead NATS does not end the run"
+        nc = await _retry(lambda: nats.connect(servers=servers, error_cb=_quiet, allow_reconnect=False))
+        js = nc.jetstream(timeout=3.0)
+        await _retry(lambda: js.publish("events.version", data_pb2.VersionEvent(
+            kind=data_pb2.VERSION_KIND_RUN_END, version=2, at=time.time()).SerializeToString(),
+            headers={"Nats-Msg-Id": "run-end"}))
+        await nc.close()
+        assert await asyncio.wait_for(watcher, 25) is True
+        assert [r["kind"] for r in events.records] == ["trained", "run_end"]
+    finally:
+        stack.stop()
+
+
+async def test_cluster_kill_nats_hits_a_seeded_random_node_and_it_comes_back(tmp_path):
+    stack = Stack(tmp_path / "run", random_ports(), nats_mode="cluster", rng=random.Random(7), policy=FAST)
+    assert isinstance(stack.nats, NatsCluster) and len(stack.nats.url.split(",")) == 3
+    stack.start_nats()
+    try:
+        assert stack.nats_children == ["nats-n0", "nats-n1", "nats-n2"]
+        pids = {c: stack.pid(c) for c in stack.nats_children}
+        expected = random.Random(7).choice([0, 1, 2])
+        victim = stack.kill("nats")
+        assert victim == f"nats-n{expected}"
+        await _wait(lambda: stack.restarts["nats"] == 1, 5)
+        assert stack.pid(victim) not in (None, pids[victim]) and stack.pid("nats") == stack.pid(victim)
+        assert all(stack.pid(c) == pids[c] for c in stack.nats_children if c != victim)
+        assert stack.supervisor.restarts[victim] == 1
+        await asyncio.to_thread(stack.nats.wait_jetstream, 20.0, urls=[stack.nats.nodes[expected].url])
+        # an explicit rng overrides the Stack's
+        assert stack.kill("nats", signal.SIGTERM, rng=random.Random(1)) == f"nats-n{random.Random(1).choice([0, 1, 2])}"
+        await _wait(lambda: stack.restarts["nats"] == 2, 10)
+        with pytest.raises(ValueError, match="name"):
+            stack.kill("postgres")
+    finally:
+        stack.stop()
+    assert not any(node.alive for node in stack.nats.nodes)
+
+
+@pytest.mark.parametrize("nats_mode", ["single", "cluster"])
+def test_stack_writes_configs_restarts_a_killed_service_and_stops_without_a_fight(tmp_path, nats_mode):
+    stack = Stack(tmp_path / "run", random_ports(), nats_mode=nats_mode, policy=FAST)
+    spawned: dict[str, list[subprocess.Popen]] = {s: [] for s in SERVICES}
+
+    def fake_spawner(service, config_file, *, detach):  # a dummy in place of `python -m services.<name>`
+        def spawn() -> subprocess.Popen:
+            spawned[service].append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+            return spawned[service][-1]
+        return spawn
+
+    stack._spawner = fake_spawner
+    plan = {"services": {"builder": {"total_steps": 3}, "trainer": {"algo": "grpo"}}}
+    stack.start(plan, seed=1, model_path=tmp_path / "model")
+    try:
+        for service in SERVICES:
+            cfg = yaml.safe_load((tmp_path / "run" / "config" / f"{service}.yaml").read_text())
+            assert cfg["nats_url"] == stack.nats.url
+            if nats_mode == "cluster":
+                assert len(cfg["nats_url"].split(",")) == 3 and cfg["nats_replicas"] == 3
+            else:
+                assert "," not in cfg["nats_url"] and "nats_replicas" not in cfg
+        old = stack.pid("rollout")
+        assert stack.kill("rollout") == "rollout"
+        deadline = time.monotonic() + 5
+        while stack.restarts["rollout"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert stack.restarts["rollout"] == 1 and stack.pid("rollout") not in (None, old)
+        assert len(spawned["rollout"]) == 2 and len(spawned["trainer"]) == 1
+        assert set(stack.procs) == set(SERVICES)
+        snap = stack.snapshot()
+        assert snap["pids"]["rollout"] == stack.pid("rollout") and snap["restarts"]["rollout"] == 1
+    finally:
+        codes = stack.stop(grace=5)
+    assert codes == {s: -signal.SIGTERM for s in SERVICES}, "SIGTERM once, no restart in between"
+    time.sleep(0.5)
+    assert stack.restarts["rollout"] == 1 and all(len(spawned[s]) == (2 if s == "rollout" else 1) for s in SERVICES)

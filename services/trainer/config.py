@@ -32,18 +32,24 @@ class TrainerConfig(ServiceConfig):
     sft_min_reward: float = 0.0                         # sft: train on samples with reward above this
     temperature: float = 1.0                            # the rollout's sampling temperature
     total_steps: int = 0                                # final checkpoint after this many steps; 0 = unbounded
-    checkpoint_every: int = 0                           # steps between checkpoints; 0 = only the final one
+    checkpoint_every: int = 5                           # steps between resumable checkpoints; 0 = only the final one
+    keep_checkpoints: int = 2                           # newest resumable checkpoints kept in run_dir/checkpoints
     seed: int = 0
     torch_threads: int = 1
     wx_address: str = "127.0.0.1:50055"                 # weight_exchange; empty: no weight sync
     weight_transport: str = "shm"
     sync_timeout: float = 200.0                         # > weight_exchange transfer + control timeouts
+    sync_retries: int = 3                               # weight-sync attempts after the first one fails
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:
             raise ValueError(f"temperature: must be > 0, got {self.temperature}")
         if self.total_steps < 0 or self.checkpoint_every < 0:
             raise ValueError("total_steps / checkpoint_every: must be >= 0")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints: must be >= 1, got {self.keep_checkpoints}")
+        if self.sync_retries < 0:
+            raise ValueError(f"sync_retries: must be >= 0, got {self.sync_retries}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
         self.build_algorithm()  # an unknown preset or setting stops start-up here

@@ -16,9 +16,12 @@ class RolloutConfig(ServiceConfig):
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     concurrency: int = 64  # prompt-work messages generated at once
     wx_address: str = "127.0.0.1:50055"  # weight_exchange; empty: no weight updates
+    catch_up_timeout: float = 120.0  # at start, wait this long for the trainer's weights before generating anyway
     gateway_enabled: bool = False  # serve the OpenAI / Anthropic agent gateway (make up turns it on)
     gateway: GatewayConfig = dataclasses.field(default_factory=GatewayConfig)
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
             raise ValueError(f"concurrency: must be >= 1, got {self.concurrency}")
+        if self.catch_up_timeout <= 0:
+            raise ValueError(f"catch_up_timeout: must be positive, got {self.catch_up_timeout}")

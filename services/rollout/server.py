@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 
 import grpc
 import prometheus_client
@@ -19,7 +21,7 @@ from services.common.bus import (
 )
 from services.common.contracts import common_pb2, data_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common.logging import get_logger
-from services.common.rpc import Servicer, bound_address, call_until_ok, invalid_argument, start_server
+from services.common.rpc import Servicer, bound_address, invalid_argument, start_server
 from services.common.service import supervise
 from services.rollout.config import RolloutConfig
 from services.rollout.engines.sequence import Sampling
@@ -40,8 +42,18 @@ class Rollout:
         self.bus = bus
         self.pull_gate = asyncio.Event()
         self.pull_gate.set()
+        self.holds: set[str] = set()  # why the gate is closed: "rpc" (Pause), "weights" (stale after a restart)
         self.published = 0
         self.log = get_logger().bind(rank_id=config.rank_id)
+
+    def hold(self, reason: str) -> None:
+        self.holds.add(reason)
+        self.pull_gate.clear()
+
+    def release(self, reason: str) -> None:
+        self.holds.discard(reason)
+        if not self.holds:
+            self.pull_gate.set()
 
     async def handle_work(self, work: data_pb2.PromptWork) -> None:
         validate_work(work)
@@ -81,7 +93,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     async def Pause(self, request, context):
         if not self._paused_by_rpc:
-            self.r.pull_gate.clear()
+            self.r.hold("rpc")
             await self.r.engine.pause_async()
             self._paused_by_rpc = True
         return common_pb2.Ack(ok=True, message="paused")
@@ -89,7 +101,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def Resume(self, request, context):
         if self._paused_by_rpc:
             self.r.engine.resume()
-            self.r.pull_gate.set()
+            self.r.release("rpc")
             self._paused_by_rpc = False
         return common_pb2.Ack(ok=True, message="resumed")
 
@@ -112,6 +124,7 @@ async def serve(config: RolloutConfig, stop: asyncio.Event) -> None:
     receiver = _weight_receiver(config, engine)
     if receiver is not None:
         servicers.append(receiver.servicer())
+        rollout.hold("weights")  # until the weights are known to be the trainer's, not stale ones (a restart)
     rpc = await start_server(config.grpc_address, servicers, auth_token=config.auth_token)
     address = bound_address(config.grpc_address, rpc.port)
     rollout.log.info("serving", grpc=address, subject=SUBJECT_PROMPTS, version=engine.version)
@@ -120,8 +133,9 @@ async def serve(config: RolloutConfig, stop: asyncio.Event) -> None:
     if config.gateway_enabled:
         tasks.append(asyncio.create_task(_serve_gateway(config, engine, bus, stop), name="gateway"))
     if receiver is not None:
-        tasks.append(asyncio.create_task(call_until_ok(lambda: receiver.register(agent_address=address), stop,
-                                                       what="weight_exchange")))
+        tasks.append(asyncio.create_task(receiver.keep_registered(stop, agent_address=address), name="wx-register"))
+        tasks.append(asyncio.create_task(open_when_current(rollout, receiver, config.catch_up_timeout, stop),
+                                         name="wx-catch-up"))
     supervise(tasks, stop)
     await stop.wait()
     rollout.log.info("stopping", running=len(engine.scheduler.running))
@@ -139,7 +153,41 @@ def _weight_receiver(config: RolloutConfig, engine: EmbeddedEngine):
     from services.weight_exchange.client import ReceiverAgent
 
     return ReceiverAgent(rank_id=config.rank_id, params=engine.named_parameters(), wx_address=config.wx_address,
-                         token=config.auth_token, on_pause=engine.pause_async, on_resume=engine.resume_async)
+                         token=config.auth_token, on_pause=engine.pause_async, on_resume=engine.resume_async,
+                         version=engine.version)
+
+
+async def open_when_current(rollout: Rollout, receiver, timeout: float, stop: asyncio.Event) -> None:
+    """Release the "weights" hold once the engine has the trainer's weights: after the first registration, when
+    the senders report a newer version than the engine's, wait until the service has caught this rank up.
+    Each wait (registration, catch-up) opens the gate anyway, with a warning, after `timeout` seconds."""
+    try:
+        if not await _wait_until(receiver.registered.is_set, stop, timeout):
+            if not stop.is_set():
+                rollout.log.warning("weights_unknown", reason=f"not registered with weight_exchange in {timeout}s")
+            return
+        target = receiver.last_reply.sender_version
+        if target <= rollout.engine.version:
+            return
+        rollout.log.info("catching_up", version=rollout.engine.version, sender_version=target)
+        if await _wait_until(lambda: rollout.engine.version >= target, stop, timeout):
+            rollout.log.info("caught_up", version=rollout.engine.version)
+        elif not stop.is_set():
+            rollout.log.warning("catch_up_timeout", version=rollout.engine.version, sender_version=target,
+                                reason=f"generating with version {rollout.engine.version} after {timeout}s")
+    finally:
+        rollout.release("weights")
+
+
+async def _wait_until(condition, stop: asyncio.Event, timeout: float) -> bool:
+    """True once `condition()` holds; False when `stop` is set or `timeout` seconds pass first."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if stop.is_set() or time.monotonic() >= deadline:
+            return False
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), min(0.1, max(0.0, deadline - time.monotonic())))
+    return True
 
 
 async def _serve_gateway(config: RolloutConfig, engine: EmbeddedEngine, bus: Bus, stop: asyncio.Event) -> None:

@@ -18,6 +18,7 @@ class WeightExchangeConfig(ServiceConfig):
     verify: bool = False                # checksum pass after every update (a Sync may also ask for it)
     agent_token: str = ""               # bearer token for the receivers' agents (default: auth_token)
     publish_events: bool = True         # VERSION_KIND_DEPLOYED on events.version after each successful Sync
+    rank_ttl: float = 30.0              # a rank with no registration (heartbeat) for this long is dropped; <= 0: never
 
     def __post_init__(self) -> None:
         if self.default_transport not in KNOWN:

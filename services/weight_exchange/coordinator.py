@@ -1,5 +1,9 @@
 """Registrations, the cached plan, and one Sync: every receiver's Apply in parallel, then the deployed event.
 
+Registrations are heartbeats, so the service can restart at any moment: a re-registration with the same layout
+(but for its version) refreshes the rank, a changed layout replaces it, and a rank silent for `rank_ttl` seconds
+is dropped, so no Sync waits on a dead peer. Every layout carries a version (a sender's parameters, a receiver's
+applied weights); a receiver that registers behind the senders is caught up in the background.
 No gRPC here: the server injects `apply` (call one receiver) and `on_deployed` (publish the event).
 """
 
@@ -17,6 +21,8 @@ from services.weight_exchange.client.layout import RECEIVER, SENDER, RankLayout
 from services.weight_exchange.planner import Plan, PlanError, bytes_min, plan
 
 log = get_logger()
+GRACE = 5.0               # on top of an Apply's own deadline, in case the injected call has none
+MAX_CATCH_UP_DELAY = 30.0
 
 
 class SyncError(Exception):
@@ -48,7 +54,8 @@ class SyncResult:
 class Coordinator:
     def __init__(self, *, apply: ApplyFn, on_deployed: Callable[[int], Awaitable[None]] | None = None,
                  bucket_bytes: int = 64 << 20, default_transport: str = "tcp", transfer_timeout: float = 120.0,
-                 control_timeout: float = 60.0, verify: bool = False) -> None:
+                 control_timeout: float = 60.0, verify: bool = False, rank_ttl: float = 30.0,
+                 catch_up_delay: float = 0.5, clock: Callable[[], float] = time.monotonic) -> None:
         self.apply = apply
         self.on_deployed = on_deployed
         self.bucket_bytes = bucket_bytes
@@ -56,15 +63,22 @@ class Coordinator:
         self.transfer_timeout = transfer_timeout
         self.control_timeout = control_timeout
         self.verify = verify
+        self.rank_ttl = rank_ttl              # <= 0: ranks never expire
+        self.catch_up_delay = catch_up_delay  # before a catch-up's first try; doubles after each failed one
+        self.clock = clock
         self.ranks: dict[str, RankLayout] = {}
         self.deployed_version = -1
         self.syncs = 0
+        self.catch_ups = 0
         self.last_sync_seconds = 0.0
         self.last_bytes_moved = 0
+        self._seen: dict[str, float] = {}     # rank_id -> clock() of its last registration
+        self._transport = ""                  # of the last successful Sync: what catch-ups use
         self._plan: Plan | None = None
         self._by_receiver: dict[str, list[wx_pb2.Transfer]] = {}
-        self._lock = asyncio.Lock()
+        self._lock = asyncio.Lock()           # one update at a time: a Sync or a catch-up
         self._inflight: dict[int, asyncio.Future[SyncResult]] = {}
+        self._catch_ups: dict[str, asyncio.Task[None]] = {}
 
     @property
     def senders(self) -> list[RankLayout]:
@@ -74,17 +88,43 @@ class Coordinator:
     def receivers(self) -> list[RankLayout]:
         return [r for r in self.ranks.values() if r.role == RECEIVER]
 
+    @property
+    def sender_version(self) -> int:
+        """The highest version a registered sender reports; -1 when none is registered."""
+        return max((s.version for s in self.senders), default=-1)
+
     def register(self, layout: RankLayout) -> None:
-        """Add or replace (same rank_id: a restarted process) a rank; ValueError names the bad field."""
+        """Add, refresh (a heartbeat: same layout but for the version) or replace (a restarted process) a rank;
+        ValueError names the bad field. A receiver behind the senders is caught up in the background."""
         layout.validate()
         for name in layout.endpoints:
             if name not in transports.KNOWN:
                 raise ValueError(f"layout.endpoints: unknown transport {name!r} (known: {', '.join(transports.KNOWN)})")
-        replaced = layout.rank_id in self.ranks
+        self.expire()
+        old = self.ranks.get(layout.rank_id)
         self.ranks[layout.rank_id] = layout
-        self._plan = None
-        log.info("registered", rank_id=layout.rank_id, role=layout.role, framework=layout.framework,
-                 shards=len(layout.shards), bytes=layout.num_bytes, replaced=replaced)
+        self._seen[layout.rank_id] = self.clock()
+        if old is None or not old.same_except_version(layout):
+            self._plan = None
+            log.info("registered", rank_id=layout.rank_id, role=layout.role, framework=layout.framework,
+                     shards=len(layout.shards), bytes=layout.num_bytes, version=layout.version,
+                     replaced=old is not None)
+        if layout.role == RECEIVER and layout.version < self.sender_version:
+            self._start_catch_up(layout.rank_id)
+
+    def expire(self) -> list[str]:
+        """Drop the ranks silent for more than `rank_ttl` seconds; returns their ids."""
+        if self.rank_ttl <= 0:
+            return []
+        now = self.clock()
+        dead = sorted(r for r, seen in self._seen.items() if now - seen > self.rank_ttl)
+        for rank_id in dead:
+            layout = self.ranks.pop(rank_id)
+            log.warning("rank_expired", rank_id=rank_id, role=layout.role,
+                        silent_seconds=round(now - self._seen.pop(rank_id), 1))
+        if dead:
+            self._plan = None
+        return dead
 
     def current_plan(self) -> Plan:
         """The plan for the current registrations (cached until they change); PlanError when they do not match."""
@@ -141,12 +181,34 @@ class Coordinator:
 
     async def _sync(self, version: int, transport: str, verify: bool) -> SyncResult:
         start = time.monotonic()
+        self.expire()
         name = self.check_transport(transport)
         receivers = sorted(self.receivers, key=lambda r: r.rank_id)
         if not receivers:
-            return SyncResult(version, 0.0, 0, 0, "")
+            raise SyncError("FAILED_PRECONDITION", f"no receiver is registered: nothing to deploy version {version} to")
         if not self.senders:
             raise SyncError("FAILED_PRECONDITION", "no sender is registered")
+        for r in receivers:
+            if r.version > version:
+                raise SyncError("FAILED_PRECONDITION", f"version: {version} is older than version {r.version} that "
+                                                       f"receiver {r.rank_id} has applied (no downgrade)")
+        p, results = await self._update(receivers, version, name, verify)
+        seconds = time.monotonic() - start
+        moved = sum(res.bytes_received for res in results)
+        self.deployed_version = version
+        self.syncs += 1
+        self.last_sync_seconds = seconds
+        self.last_bytes_moved = moved
+        self._transport = name
+        log.info("synced", version=version, seconds=round(seconds, 4), bytes=moved, receivers=len(receivers),
+                 plan_hash=p.plan_hash, transport=name)
+        if self.on_deployed is not None:
+            await self.on_deployed(version)
+        return SyncResult(version, seconds, moved, len(receivers), p.plan_hash)
+
+    async def _update(self, receivers: list[RankLayout], version: int, name: str,
+                      verify: bool) -> tuple[Plan, list[wx_pb2.ApplyReply]]:
+        """Every receiver's Apply in parallel; SyncError naming each failed receiver (and, from it, the sender)."""
         try:
             p = self.current_plan()
         except PlanError as exc:
@@ -154,6 +216,7 @@ class Coordinator:
         if name in ("shm", "shm-ring"):
             self._check_same_host(p)
         endpoints = {s.rank_id: s.endpoints[name] for s in self.senders}
+        timeout = self.transfer_timeout + self.control_timeout
         calls = []
         for r in receivers:
             mine = self._by_receiver.get(r.rank_id, [])
@@ -162,27 +225,94 @@ class Coordinator:
                                           sender_endpoints={s: endpoints[s] for s in srcs},
                                           timeout_seconds=self.transfer_timeout, verify=verify,
                                           plan_hash=p.plan_hash)
-            calls.append(self.apply(r, request, self.transfer_timeout + self.control_timeout))
+            calls.append(asyncio.wait_for(self.apply(r, request, timeout), timeout + GRACE))
         results = await asyncio.gather(*calls, return_exceptions=True)
-        failures = [(r.rank_id, res) for r, res in zip(receivers, results, strict=True) if isinstance(res, BaseException)]
+        failures = []
+        for r, res in zip(receivers, results, strict=True):
+            if isinstance(res, BaseException):
+                failures.append((r.rank_id, res))
+            else:
+                self._applied(r, version)
         if failures:
-            codes = {getattr(exc, "code", "ABORTED") for _, exc in failures}
+            codes = {_code(exc) for _, exc in failures}
             code = "DEADLINE_EXCEEDED" if codes == {"DEADLINE_EXCEEDED"} else "ABORTED"
-            detail = "; ".join(f"{rank}: {exc}" for rank, exc in failures)
+            silent = f"no answer within {timeout + GRACE:.0f}s"
+            detail = "; ".join(f"{rank}: {str(exc) or silent}" for rank, exc in failures)
             log.warning("sync_failed", version=version, failed=[rank for rank, _ in failures], error=detail)
             raise SyncError(code, f"sync of version {version} failed on {len(failures)} of {len(receivers)} "
                                   f"receivers: {detail}")
-        seconds = time.monotonic() - start
-        moved = sum(res.bytes_received for res in results)  # type: ignore[union-attr]
-        self.deployed_version = version
-        self.syncs += 1
-        self.last_sync_seconds = seconds
-        self.last_bytes_moved = moved
-        log.info("synced", version=version, seconds=round(seconds, 4), bytes=moved, receivers=len(receivers),
-                 plan_hash=p.plan_hash, transport=name)
-        if self.on_deployed is not None:
-            await self.on_deployed(version)
-        return SyncResult(version, seconds, moved, len(receivers), p.plan_hash)
+        for s in self.senders:
+            if s.version >= 0:      # tracked: it just served `version`
+                s.version = max(s.version, version)
+        return p, results  # type: ignore[return-value]
+
+    def _applied(self, receiver: RankLayout, version: int) -> None:
+        current = self.ranks.get(receiver.rank_id)
+        if current is not None and current.agent_address == receiver.agent_address:
+            current.version = version
+
+    def _start_catch_up(self, rank_id: str) -> None:
+        if rank_id in self._catch_ups:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return      # no event loop (a synchronous caller): the next heartbeat tries again
+        self._catch_ups[rank_id] = loop.create_task(self._catch_up(rank_id), name=f"catch-up-{rank_id}")
+
+    async def _catch_up(self, rank_id: str) -> None:
+        """Bring one receiver to the senders' version, retrying with back-off while it lags and is registered."""
+        delay = self.catch_up_delay
+        try:
+            while True:
+                await asyncio.sleep(delay)
+                async with self._lock:
+                    if await self._catch_up_once(rank_id):
+                        return
+                delay = min(max(delay, 0.1) * 2, MAX_CATCH_UP_DELAY)
+        finally:
+            self._catch_ups.pop(rank_id, None)
+
+    async def _catch_up_once(self, rank_id: str) -> bool:
+        """One try (under the lock); True when there is nothing (left) to do."""
+        self.expire()
+        receiver, target = self.ranks.get(rank_id), self.sender_version
+        if receiver is None or receiver.role != RECEIVER or receiver.version >= target:
+            return True
+        if any(s.version != target for s in self.senders):
+            log.info("catch_up_waiting", rank_id=rank_id, version=target,
+                     senders={s.rank_id: s.version for s in self.senders})
+            return False
+        try:
+            name = self._catch_up_transport()
+            await self._update([receiver], target, name, self.verify)
+        except (SyncError, ValueError) as exc:
+            log.warning("catch_up_failed", rank_id=rank_id, version=target, error=str(exc))
+            return False
+        self.catch_ups += 1
+        log.info("caught_up", rank_id=rank_id, version=target, transport=name)
+        if all(r.version >= target for r in self.receivers):
+            self.deployed_version = max(self.deployed_version, target)
+            if self.on_deployed is not None:
+                try:
+                    await self.on_deployed(target)
+                except Exception as exc:  # noqa: BLE001 - the weights are in place; the event is best effort here
+                    log.warning("deployed_event_failed", version=target, error=str(exc))
+        return True
+
+    def _catch_up_transport(self) -> str:
+        """The last Sync's transport, else the default, else any transport every sender offers."""
+        for name in (self._transport, self.default_transport, *transports.KNOWN):
+            if name and all(name in s.endpoints for s in self.senders):
+                return name
+        raise ValueError("transport: no transport is offered by every sender")
+
+    async def close(self) -> None:
+        """Cancel the catch-ups in flight."""
+        tasks = list(self._catch_ups.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _check_same_host(self, p: Plan) -> None:
         hosts = {r.rank_id: r.host for r in self.ranks.values()}
@@ -190,6 +320,13 @@ class Coordinator:
             if hosts.get(t.src) != hosts.get(t.dst):
                 raise SyncError("FAILED_PRECONDITION", f"transport: shm needs sender {t.src} (host "
                                 f"{hosts.get(t.src)!r}) and receiver {t.dst} (host {hosts.get(t.dst)!r}) on one host")
+
+
+def _code(exc: BaseException) -> str:
+    code = getattr(exc, "code", None)
+    if isinstance(code, str):
+        return code
+    return "DEADLINE_EXCEEDED" if isinstance(exc, TimeoutError) else "ABORTED"
 
 
 def _wire_itemsizes(senders: list[RankLayout]) -> dict[str, int]:

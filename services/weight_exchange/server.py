@@ -36,6 +36,9 @@ class AgentClients:
             return await wx_grpc.WeightAgentServiceStub(ch).Apply(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             code = exc.code().name
+            if code == "UNAVAILABLE":   # a restarted agent: reconnect at once next time, not after gRPC's back-off
+                self._channels.pop(receiver.agent_address, None)
+                await ch.close()
             details = exc.details() or ""
             if code == "DEADLINE_EXCEEDED" and details.lower() == "deadline exceeded":
                 details = f"no answer from {receiver.agent_address} within {timeout:.0f}s"
@@ -58,8 +61,9 @@ class WeightExchangeServicer(wx_grpc.WeightExchangeServiceServicer):
         except ValueError as exc:
             field, _, problem = str(exc).partition(": ")
             await invalid_argument(context, field, problem)
-        return wx_pb2.RegisterReply(rank_id=request.layout.rank_id, num_senders=len(self.coordinator.senders),
-                                    num_receivers=len(self.coordinator.receivers))
+        c = self.coordinator
+        return wx_pb2.RegisterReply(rank_id=request.layout.rank_id, num_senders=len(c.senders),
+                                    num_receivers=len(c.receivers), sender_version=c.sender_version)
 
     async def Plan(self, request, context):  # noqa: N802
         try:
@@ -84,6 +88,7 @@ class WeightExchangeServicer(wx_grpc.WeightExchangeServiceServicer):
 
     async def Status(self, request, context):  # noqa: N802
         c = self.coordinator
+        c.expire()
         return wx_pb2.WeightExchangeStatus(num_senders=len(c.senders), num_receivers=len(c.receivers),
                                            deployed_version=c.deployed_version, syncs=c.syncs,
                                            last_sync_seconds=c.last_sync_seconds, last_bytes_moved=c.last_bytes_moved)
@@ -103,7 +108,7 @@ async def serve(config: WeightExchangeConfig, stop: asyncio.Event) -> None:
     agents = AgentClients(config.agent_token or config.auth_token)
     coordinator = Coordinator(apply=agents.apply, on_deployed=deployed, bucket_bytes=config.bucket_bytes,
                               default_transport=config.default_transport, transfer_timeout=config.transfer_timeout,
-                              control_timeout=config.control_timeout, verify=config.verify)
+                              control_timeout=config.control_timeout, verify=config.verify, rank_ttl=config.rank_ttl)
     servicer = Servicer(wx_grpc.add_WeightExchangeServiceServicer_to_server, WeightExchangeServicer(coordinator),
                         wx_pb2.DESCRIPTOR.services_by_name["WeightExchangeService"].full_name)
     server = await start_server(config.grpc_address, [servicer], auth_token=config.auth_token)
@@ -112,6 +117,7 @@ async def serve(config: WeightExchangeConfig, stop: asyncio.Event) -> None:
         await stop.wait()
     finally:
         await server.stop()
+        await coordinator.close()
         await agents.close()
         if bus is not None:
             await bus.close()

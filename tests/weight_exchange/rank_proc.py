@@ -43,6 +43,8 @@ async def run(a: argparse.Namespace) -> None:
     ref = hf_reference(spec, a.seed, dtype)
     out = pathlib.Path(a.out)
     stops = []
+    stop = asyncio.Event()
+    heartbeats = []
     for rank in [int(x) for x in a.ranks.split(",")]:
         rank_id = f"{a.prefix}-{rank}"
         shards, parallel = rank_shards(spec, side, rank, a.dtype)
@@ -51,7 +53,9 @@ async def run(a: argparse.Namespace) -> None:
         if a.role == "sender":
             agent = SenderAgent(rank_id, tensors, a.wx, transports=tuple(a.transports.split(",")), shards=shards,
                                 framework=side.framework, parallel=parallel)
-            await agent.start()
+            await agent.open()
+            heartbeats.append(asyncio.create_task(agent.keep_registered(stop, interval=2.0)))
+            await agent.registered.wait()
             stops.append(agent.close)
         else:
             expected = {k: v.clone() for k, v in tensors.items()}
@@ -59,14 +63,16 @@ async def run(a: argparse.Namespace) -> None:
                 t.zero_()
             agent = _receiver(rank_id, tensors, expected, shards, side.framework, parallel, a.wx, out)
             server = await start_server("127.0.0.1:0", [agent.servicer()])
-            await agent.register(f"127.0.0.1:{server.port}")
+            heartbeats.append(asyncio.create_task(
+                agent.keep_registered(stop, interval=2.0, agent_address=f"127.0.0.1:{server.port}")))
+            await agent.registered.wait()
             stops.append(agent.close)
             stops.append(lambda s=server: s.stop(0))
     (out / f"{a.prefix}.ready").write_text("ok")
-    stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
+    await asyncio.gather(*heartbeats)
     for fn in stops:
         await fn()
 

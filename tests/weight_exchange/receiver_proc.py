@@ -40,13 +40,16 @@ async def run(args: argparse.Namespace) -> None:
     agent = ReceiverAgent(args.rank_id, dict(model.named_parameters()), args.wx, on_pause=on_pause,
                           on_resume=on_resume)
     server = await start_server("127.0.0.1:0", [agent.servicer()])
-    await agent.register(f"127.0.0.1:{server.port}")
-    log("registered")
     stop = asyncio.Event()
+    heartbeat = asyncio.create_task(agent.keep_registered(stop, interval=args.heartbeat,
+                                                          agent_address=f"127.0.0.1:{server.port}"))
+    await agent.registered.wait()
+    log("registered")
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    await heartbeat
     await agent.close()
     await server.stop(0)
 
@@ -58,6 +61,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--pause-delay", type=float, default=0.0)
+    parser.add_argument("--heartbeat", type=float, default=2.0)
     args = parser.parse_args()
     configure_logging("rollout-test")
     asyncio.run(run(args))

@@ -155,8 +155,10 @@ async def test_bad_arguments_and_no_receivers(tmp_path):
         model = tiny_qwen3(seed=0)
         sender = SenderAgent("trainer-0", dict(model.named_parameters()), address, transports=("tcp",))
         await sender.start()
-        reply = await sender.sync(1)
-        assert reply.num_receivers == 0      # the trainer may run before rollout registers
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await sender.sync(1)             # the trainer may run before rollout registers: not deployed
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "no receiver is registered" in err.value.details()
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await sender.sync(-1)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("version:")

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from launcher.processes import free_port
+from services.common.contracts import common_pb2
 from services.common.contracts import weight_exchange_pb2 as wx_pb2
 from services.common.contracts import weight_exchange_pb2_grpc as wx_grpc
 from services.common.rpc import channel
@@ -103,7 +104,8 @@ async def run_case(case: Case, log_dir: str = "/tmp") -> list[dict[str, Any]]:
     address = f"127.0.0.1:{free_port()}"
     stop = asyncio.Event()
     config = WeightExchangeConfig(grpc_address=address, nats_url="", metrics_port=-1, bucket_bytes=case.bucket_bytes,
-                                  transfer_timeout=600.0, default_transport=case.transports[0])
+                                  transfer_timeout=600.0, default_transport=case.transports[0],
+                                  rank_ttl=0)   # the ranks register once (no heartbeats while the clock runs)
     service = asyncio.create_task(serve(config, stop))
     await asyncio.sleep(0.2)
     procs: list[RankProc] = []
@@ -140,7 +142,8 @@ async def _measure(case: Case, transport: str, stub: Any, stats: Any, model_byte
     floor = MemcpyFloor(stats.total_bytes)
     ours, naive, floors, peaks, naive_peaks, correct = [], [], [], [], [], True
     gather_bytes = 0
-    version = int(time.time()) % 100000 * 10
+    status = await stub.Status(common_pb2.StatusRequest(), timeout=60)
+    version = status.deployed_version + 1     # versions only go up (the service refuses a downgrade)
     for i in range(case.repeat + 1):          # the first round warms up (plan cache, connections)
         await asyncio.gather(*[p.call({"cmd": "reset"}) for p in everyone])
         start = time.perf_counter()

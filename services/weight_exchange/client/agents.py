@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
 
 import grpc
 import torch
@@ -23,7 +25,8 @@ log = get_logger()
 
 
 class _Client:
-    """A lazily opened channel to the weight-exchange service."""
+    """A lazily opened channel to the weight-exchange service; one that found the service unavailable is dropped,
+    so the next call connects at once instead of after gRPC's reconnect back-off (minutes after a long restart)."""
 
     def __init__(self, wx_address: str, token: str) -> None:
         self.wx_address = wx_address
@@ -36,23 +39,73 @@ class _Client:
             self._channel = channel(self.wx_address, token=self.token)
         return wx_grpc.WeightExchangeServiceStub(self._channel)
 
+    async def call(self, method: str, request: Any, timeout: float) -> Any:
+        try:
+            return await getattr(self.stub, method)(request, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                await self.close()
+            raise
+
     async def close(self) -> None:
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
 
 
-class SenderAgent:
+class _Registrant:
+    """A rank that keeps itself registered: its heartbeats re-register it after a restart of the service."""
+
+    rank_id: str
+    registered: asyncio.Event               # set once a registration succeeded
+    last_reply: wx_pb2.RegisterReply | None
+    _registry: _Client                      # its own channel: a heartbeat never disturbs a Sync in flight
+
+    async def register(self) -> wx_pb2.RegisterReply:
+        raise NotImplementedError
+
+    async def keep_registered(self, stop: asyncio.Event, interval: float = 5.0) -> None:
+        """Register, then re-register every `interval` seconds until `stop` is set (the service drops a rank
+        silent for its `rank_ttl`). gRPC errors are logged and retried with back-off; a layout the service
+        rejects (INVALID_ARGUMENT) raises."""
+        if interval <= 0:
+            raise ValueError(f"interval: must be positive, got {interval}")
+        delay, failures = min(0.2, interval), 0
+        while not stop.is_set():
+            try:
+                await self.register()
+                wait, delay, failures = interval, min(0.2, interval), 0
+            except (grpc.aio.AioRpcError, OSError) as exc:
+                if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise
+                failures += 1
+                (log.warning if failures == 1 else log.debug)(
+                    "register_failed", rank_id=self.rank_id, error=str(exc), retry_in=round(delay, 2))
+                wait, delay = delay, min(delay * 2, interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=wait)
+
+    async def _send(self, layout: RankLayout) -> wx_pb2.RegisterReply:
+        layout.validate()
+        reply = await self._registry.call("Register", wx_pb2.RegisterRequest(layout=layout.to_proto()), 30.0)
+        self.last_reply = reply
+        self.registered.set()
+        return reply
+
+
+class SenderAgent(_Registrant):
     """Serves this trainer rank's parameters to receivers and asks the service for updates.
 
     `params` maps local names to tensors (for a plain HF model: canonical names, full tensors); `shards`
-    describes them (default: a full HF model on one rank). Parameters must not change while `sync` runs.
+    describes them (default: a full HF model on one rank). `version` is the version the parameters hold;
+    bracket every change of them with `begin_update()` / `end_update(version)` so no read is torn
+    (version None: not tracked, any version is served, and the parameters must not change during a sync).
     """
 
     def __init__(self, rank_id: str, params: Mapping[str, torch.Tensor], wx_address: str, token: str = "",
                  transports: Sequence[str] = ("tcp", "shm"), host: str = "127.0.0.1", *,
                  shards: Sequence[Shard] | None = None, framework: str = "hf",
-                 parallel: Mapping[str, int] | None = None) -> None:
+                 parallel: Mapping[str, int] | None = None, version: int | None = None) -> None:
         self.rank_id = rank_id
         self.params = dedupe_tied(params)
         self.shards = list(shards) if shards is not None else hf_full_shards(self.params)
@@ -60,12 +113,31 @@ class SenderAgent:
         self.parallel = dict(parallel or {})
         self.host = host
         self.server = SenderServer(rank_id, self.params, host, tuple(transports))
+        if version is not None:
+            self.server.end_update(version)
         self.endpoints: dict[str, str] = {}
+        self.registered = asyncio.Event()
+        self.last_reply = None
         self._client = _Client(wx_address, token)
+        self._registry = _Client(wx_address, token)
+
+    @property
+    def version(self) -> int | None:
+        return self.server.version
+
+    def begin_update(self) -> None:
+        """Call right before a training step mutates the parameters (any thread): reads are refused until
+        `end_update`, and a read that was running fails instead of delivering torn weights."""
+        self.server.begin_update()
+
+    def end_update(self, version: int) -> None:
+        """Call after the step (any thread): the parameters now hold `version`."""
+        self.server.end_update(version)
 
     def layout(self) -> RankLayout:
+        version = self.server.version
         return RankLayout(self.rank_id, SENDER, self.framework, self.shards, self.parallel,
-                          endpoints=self.endpoints, host=self.host)
+                          endpoints=self.endpoints, host=self.host, version=-1 if version is None else version)
 
     async def start(self) -> None:
         """Open the data endpoints and register this rank's layout (role SENDER)."""
@@ -77,26 +149,26 @@ class SenderAgent:
         self.endpoints = await asyncio.to_thread(self.server.start)
 
     async def register(self) -> wx_pb2.RegisterReply:
-        layout = self.layout()
-        layout.validate()
-        return await self._client.stub.Register(wx_pb2.RegisterRequest(layout=layout.to_proto()), timeout=30.0)
+        """Register (or re-register) this rank's layout, with the version its parameters hold."""
+        return await self._send(self.layout())
 
     async def sync(self, version: int, timeout: float = 60.0, *, transport: str = "",
                    verify: bool = False) -> wx_pb2.SyncReply:
         """Ask the service to deploy `version`; returns once every receiver has it (raises grpc.aio.AioRpcError)."""
         request = wx_pb2.SyncRequest(version=version, transport=transport, verify=verify)
-        return await self._client.stub.Sync(request, timeout=timeout)
+        return await self._client.call("Sync", request, timeout)
 
     async def plan(self, transport: str = "", include_transfers: bool = False) -> wx_pb2.PlanReply:
         request = wx_pb2.PlanRequest(transport=transport, include_transfers=include_transfers)
-        return await self._client.stub.Plan(request, timeout=60.0)
+        return await self._client.call("Plan", request, 60.0)
 
     async def close(self) -> None:
         await asyncio.to_thread(self.server.stop)
         await self._client.close()
+        await self._registry.close()
 
 
-class ReceiverAgent:
+class ReceiverAgent(_Registrant):
     """Receives updates into the live tensors of an inference rank (in place, under torch.no_grad).
 
     `on_pause()` returns once generation is paused at a decode boundary; `on_resume(version)` rebuilds the
@@ -116,29 +188,35 @@ class ReceiverAgent:
         self.host = host
         self.version = version
         self.agent_address = ""
+        self.registered = asyncio.Event()
+        self.last_reply = None
         self._on_pause = on_pause
         self._on_resume = on_resume
         self._lock = asyncio.Lock()
-        self._client = _Client(wx_address, token)
+        self._registry = _Client(wx_address, token)
 
     def layout(self) -> RankLayout:
         return RankLayout(self.rank_id, RECEIVER, self.framework, self.shards, self.parallel,
-                          agent_address=self.agent_address, host=self.host)
+                          agent_address=self.agent_address, host=self.host, version=self.version)
 
     def servicer(self) -> Servicer:
         """The WeightAgentService to host on the inference process's gRPC server."""
         return Servicer(wx_grpc.add_WeightAgentServiceServicer_to_server, _AgentServicer(self),
                         wx_pb2.DESCRIPTOR.services_by_name["WeightAgentService"].full_name)
 
-    async def register(self, agent_address: str) -> wx_pb2.RegisterReply:
-        """Register this rank's layout (role RECEIVER); `agent_address` is where `servicer()` is hosted."""
-        self.agent_address = agent_address
-        layout = self.layout()
-        layout.validate()
-        return await self._client.stub.Register(wx_pb2.RegisterRequest(layout=layout.to_proto()), timeout=30.0)
+    async def register(self, agent_address: str = "") -> wx_pb2.RegisterReply:
+        """Register this rank's layout (role RECEIVER) with the version it has applied; `agent_address` is where
+        `servicer()` is hosted (default: the address of the previous registration)."""
+        self.agent_address = agent_address or self.agent_address
+        return await self._send(self.layout())
+
+    async def keep_registered(self, stop: asyncio.Event, interval: float = 5.0, *, agent_address: str = "") -> None:
+        """As `SenderAgent.keep_registered`; `agent_address` as in `register`."""
+        self.agent_address = agent_address or self.agent_address
+        await super().keep_registered(stop, interval)
 
     async def close(self) -> None:
-        await self._client.close()
+        await self._registry.close()
 
     async def apply(self, request: wx_pb2.ApplyRequest, context: grpc.aio.ServicerContext) -> wx_pb2.ApplyReply:
         if request.version < 0:
@@ -151,6 +229,9 @@ class ReceiverAgent:
                 await invalid_argument(context, f"transfers[{i}].dst_rank_id", f"{t.dst!r} is not {self.rank_id!r}")
         async with self._lock:
             old = self.version
+            if request.version < old:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"version: {self.rank_id} has applied {old}; {request.version} would downgrade it")
             try:
                 if self._on_pause is not None:
                     await self._on_pause()

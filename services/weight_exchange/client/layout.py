@@ -83,6 +83,7 @@ class RankLayout:
     agent_address: str = ""
     endpoints: dict[str, str] = dataclasses.field(default_factory=dict)
     host: str = ""
+    version: int = 0    # sender: of the parameters it holds; receiver: applied (-1: not tracked)
 
     @property
     def num_bytes(self) -> int:
@@ -91,6 +92,10 @@ class RankLayout:
     def local_tensors(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """local name -> (shape, dtype)."""
         return {s.local_name: (s.local_shape, s.dtype) for s in self.shards}
+
+    def same_except_version(self, other: RankLayout) -> bool:
+        """Equal but for `version`: a re-registration that is only a heartbeat."""
+        return dataclasses.replace(self, version=0) == dataclasses.replace(other, version=0)
 
     def validate(self, where: str = "layout") -> None:
         """Raise ValueError naming the field (e.g. `layout.shards[3].local_region`) on the first problem."""
@@ -104,6 +109,8 @@ class RankLayout:
             raise ValueError(f"{where}.agent_address: required for a receiver")
         if self.role == SENDER and not self.endpoints:
             raise ValueError(f"{where}.endpoints: a sender needs at least one transport endpoint")
+        if self.version < -1:
+            raise ValueError(f"{where}.version: must be >= -1 (-1: not tracked), got {self.version}")
         locals_: dict[str, tuple[tuple[int, ...], str]] = {}
         canon: dict[str, tuple[tuple[int, ...], str]] = {}
         for i, shard in enumerate(self.shards):
@@ -123,7 +130,7 @@ class RankLayout:
         return data_pb2.RankLayout(
             rank_id=self.rank_id, role=_ROLE_TO_PB.get(self.role, data_pb2.RANK_ROLE_UNSPECIFIED),
             framework=self.framework, parallel=self.parallel, agent_address=self.agent_address,
-            endpoints=self.endpoints, host=self.host,
+            endpoints=self.endpoints, host=self.host, version=self.version,
             shards=[data_pb2.ShardSpec(
                 canonical_name=s.canonical_name, canonical_shape=s.canonical_shape, dtype=s.dtype,
                 canonical_region=region_to_proto(s.canonical_region), local_name=s.local_name,
@@ -133,7 +140,7 @@ class RankLayout:
     def from_proto(cls, pb: data_pb2.RankLayout) -> RankLayout:
         return cls(rank_id=pb.rank_id, role=_PB_TO_ROLE.get(pb.role, ""), framework=pb.framework,
                    parallel=dict(pb.parallel), agent_address=pb.agent_address, endpoints=dict(pb.endpoints),
-                   host=pb.host, shards=[Shard(
+                   host=pb.host, version=pb.version, shards=[Shard(
                        s.canonical_name, tuple(s.canonical_shape), s.dtype, region_from_proto(s.canonical_region),
                        s.local_name, tuple(s.local_shape), region_from_proto(s.local_region)) for s in pb.shards])
 

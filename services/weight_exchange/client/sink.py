@@ -24,6 +24,7 @@ from services.weight_exchange.client.wire import (
     recv_frame,
     region_view,
     send_frame,
+    set_deadline,
 )
 
 
@@ -121,10 +122,13 @@ def _pull_link(impl: transports.Transport, endpoint: str, link: Link, items: lis
             if "error" in reply:
                 raise TransportError(reply["error"])
             impl.pull(conn, reply, link)
+            link.current = -1
+            set_deadline(conn, link.deadline)
+            end = recv_frame(conn)      # the sender's word that the read was clean (not torn by an update)
+            if "error" in end:
+                raise TransportError(end["error"])
             if link.verify:
-                link.current = -1
-                sent = recv_frame(conn)["crc"]
-                crcs[link.src] = _verify(link, sent)
+                crcs[link.src] = _verify(link, end["crc"])
     except TransportError as exc:
         raise type(exc)(f"{impl.name} {link.src} -> {link.dst}: {link.describe()}: {exc}") from exc
     except TimeoutError as exc:

@@ -1,7 +1,11 @@
 """The sender's data server: a control listener (thread per connection) that serves pull requests.
 
-A pull request names regions of the sender's local tensors in plan order; the sender checks them all,
-then hands the connection to the requested transport, which reads straight from parameter memory.
+A pull request names regions of the sender's local tensors in plan order and the version it wants; the
+sender checks them all, then hands the connection to the requested transport, which reads straight from
+parameter memory, and ends with a frame saying whether the read was clean. Reads are never torn: the
+trainer brackets every step that mutates the parameters with `begin_update` / `end_update(version)`
+(a sequence lock), and a read is refused while an update runs, when it asks for another version, and
+(in the end frame) when an update started while it was being served.
 """
 
 from __future__ import annotations
@@ -35,6 +39,39 @@ class SenderServer:
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._state = threading.Lock()
+        self._seq = 0                        # odd while an update runs
+        self.version: int | None = None      # of the parameters; None: not tracked (any version is served)
+
+    def begin_update(self) -> None:
+        """The parameters are about to change (thread-safe): reads are refused until `end_update`."""
+        with self._state:
+            if self._seq % 2 == 0:
+                self._seq += 1
+
+    def end_update(self, version: int) -> None:
+        """The parameters now hold `version` (thread-safe)."""
+        if version < 0:
+            raise ValueError(f"version: must be >= 0, got {version}")
+        with self._state:
+            self._seq += 1 if self._seq % 2 else 2
+            self.version = version
+
+    def begin_read(self, version: int) -> int:
+        """The sequence number to check after the read; ValueError when the parameters cannot be read now."""
+        with self._state:
+            if self._seq % 2:
+                raise ValueError(f"parameters are being updated (from version {self.version}); retry")
+            if self.version is not None and version != self.version:
+                raise ValueError(f"version: holds {self.version}, not the requested {version}")
+            return self._seq
+
+    def end_read(self, seq: int, version: int) -> str:
+        """An error message when an update started since `begin_read` (the read may be torn), else ""."""
+        with self._state:
+            if self._seq != seq:
+                return f"parameters changed while version {version} was read (torn read); retry"
+        return ""
 
     def start(self) -> dict[str, str]:
         """Listen; returns the endpoints to register (transport name -> address)."""
@@ -83,17 +120,20 @@ class SenderServer:
                 request = recv_frame(conn)
                 receiver = str(request.get("receiver", "?"))
                 conn.settimeout(float(request.get("timeout", 60.0)))
+                version = int(request.get("version", 0))
                 try:
                     views = self.resolve(request["items"])
                     if request["transport"] not in self.transport_names:
                         raise ValueError(f"transport: {request['transport']!r} is not offered by {self.rank_id} "
                                          f"(offers {', '.join(self.transport_names)})")
+                    seq = self.begin_read(version)
                 except (ValueError, KeyError) as exc:
                     send_frame(conn, {"error": f"sender {self.rank_id}: {exc}"})
                     return
                 transports.get(request["transport"]).serve(conn, request, views, self)
-                if request.get("verify"):
-                    send_frame(conn, {"crc": [crc(v) for v in views]})
+                end: dict[str, Any] = {"crc": [crc(v) for v in views]} if request.get("verify") else {}
+                torn = self.end_read(seq, version)
+                send_frame(conn, {"error": f"sender {self.rank_id}: {torn}"} if torn else {"done": True, **end})
             except (OSError, TransportError) as exc:
                 log.warning("pull_failed", rank_id=self.rank_id, receiver=receiver, error=str(exc))
             except Exception:

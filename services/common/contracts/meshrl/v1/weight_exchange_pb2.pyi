@@ -15,14 +15,16 @@ class RegisterRequest(_message.Message):
     def __init__(self, layout: _Optional[_Union[_data_pb2.RankLayout, _Mapping]] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("rank_id", "num_senders", "num_receivers")
+    __slots__ = ("rank_id", "num_senders", "num_receivers", "sender_version")
     RANK_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SENDERS_FIELD_NUMBER: _ClassVar[int]
     NUM_RECEIVERS_FIELD_NUMBER: _ClassVar[int]
+    SENDER_VERSION_FIELD_NUMBER: _ClassVar[int]
     rank_id: str
     num_senders: int
     num_receivers: int
-    def __init__(self, rank_id: _Optional[str] = ..., num_senders: _Optional[int] = ..., num_receivers: _Optional[int] = ...) -> None: ...
+    sender_version: int
+    def __init__(self, rank_id: _Optional[str] = ..., num_senders: _Optional[int] = ..., num_receivers: _Optional[int] = ..., sender_version: _Optional[int] = ...) -> None: ...
 
 class PlanRequest(_message.Message):
     __slots__ = ("transport", "include_transfers")

@@ -20,6 +20,7 @@ from services.common.bus import (
     follow,
 )
 from services.common.contracts import common_pb2, data_pb2, rollout_pb2, rollout_pb2_grpc
+from services.common.deadletters import DeadLetterWatch
 from services.common.logging import get_logger
 from services.common.rpc import Servicer, bound_address, invalid_argument, start_server
 from services.common.service import supervise
@@ -44,6 +45,7 @@ class Rollout:
         self.pull_gate.set()
         self.holds: set[str] = set()  # why the gate is closed: "rpc" (Pause), "weights" (stale after a restart)
         self.published = 0
+        self.dead_letters = DeadLetterWatch(bus)
         self.log = get_logger().bind(rank_id=config.rank_id)
 
     def hold(self, reason: str) -> None:
@@ -111,13 +113,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             policy_version=e.version, paused=self._paused_by_rpc or e.paused, running_sequences=len(e.scheduler.running),
             waiting_sequences=e.scheduler.num_waiting, trajectories_published=self.r.published,
             tokens_generated=e.stats.tokens_generated, weight_updates=e.stats.weight_updates,
-            interrupted_sequences=e.stats.interrupted_sequences, engine="embedded")
+            interrupted_sequences=e.stats.interrupted_sequences, engine="embedded",
+            dead_letters=self.r.dead_letters.counts)
 
 
 async def serve(config: RolloutConfig, stop: asyncio.Event) -> None:
     engine = config.engine.build()
     engine.start()
-    bus = await Bus.connect(config.nats_url, name=config.rank_id)
+    bus = await Bus.connect(config.nats_url, name=config.rank_id, replicas=config.nats_replicas)
     rollout = Rollout(config, engine, bus)
     servicers = [Servicer(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, RolloutServicer(rollout),
                           rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name)]
@@ -129,7 +132,8 @@ async def serve(config: RolloutConfig, stop: asyncio.Event) -> None:
     address = bound_address(config.grpc_address, rpc.port)
     rollout.log.info("serving", grpc=address, subject=SUBJECT_PROMPTS, version=engine.version)
     tasks = [asyncio.create_task(consume(bus, "rollout", decoder(data_pb2.PromptWork), rollout.handle_work, stop,
-                                         concurrency=config.concurrency, gate=rollout.pull_gate))]
+                                         concurrency=config.concurrency, gate=rollout.pull_gate)),
+             asyncio.create_task(rollout.dead_letters.run(stop), name="dead-letter-counts")]
     if config.gateway_enabled:
         tasks.append(asyncio.create_task(_serve_gateway(config, engine, bus, stop), name="gateway"))
     if receiver is not None:

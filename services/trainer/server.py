@@ -18,11 +18,12 @@ import prometheus_client
 import torch
 
 from services.common.batches import batch_subject, wait_batch
-from services.common.bus import DLQ_PREFIX, SUBJECT_VERSIONS, TRANSIENT, Bus, InvalidMessage
+from services.common.bus import DLQ_PREFIX, SUBJECT_VERSIONS, TRANSIENT, Bus, InvalidMessage, wait_either
 from services.common.contracts import common_pb2, data_pb2, trainer_pb2, trainer_pb2_grpc
+from services.common.deadletters import DeadLetterWatch
 from services.common.ids import now
 from services.common.logging import get_logger
-from services.common.rpc import Servicer, call_until_ok, start_server
+from services.common.rpc import Servicer, start_server
 from services.common.service import supervise
 from services.trainer.batching import distinct_versions, pack, trajectory_staleness
 from services.trainer.checkpoint import latest_checkpoint, prune_checkpoints, read_lineage, remove_leftovers
@@ -58,6 +59,7 @@ class Trainer:
         self.lineage: dict[str, list] = {"batch_indices": [], "batch_ids": [], "skipped": []}
         self.resumed_from: pathlib.Path | None = None
         self.sender = None
+        self.dead_letters = DeadLetterWatch(bus)
         self.sync_failures = 0
         self.running = asyncio.Event()
         self.running.set()
@@ -89,7 +91,7 @@ class Trainer:
         delay = 0.5
         while not stop.is_set():
             if not self.running.is_set():
-                await _either(self.running, stop)
+                await wait_either(self.running, stop)
                 continue
             index = self.version
             try:
@@ -270,7 +272,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         return trainer_pb2.TrainerStatus(
             policy_version=t.version, steps=t.version, paused=not t.running.is_set(), algorithm=t.config.algo,
             last_metrics=t.last_metrics, trajectories_trained=t.trajectories_trained,
-            max_staleness_trained=t.max_staleness)
+            max_staleness_trained=t.max_staleness, dead_letters=t.dead_letters.counts)
 
     async def Checkpoint(self, request, context):
         out = await self.t.checkpoint(request.path)
@@ -292,7 +294,8 @@ async def serve(config: TrainerConfig, stop: asyncio.Event) -> None:
     rpc = await start_server(config.grpc_address, [Servicer(
         trainer_pb2_grpc.add_TrainerServiceServicer_to_server, TrainerServicer(trainer),
         trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name)], auth_token=config.auth_token)
-    tasks: list[asyncio.Task] = []
+    tasks: list[asyncio.Task] = [asyncio.create_task(trainer.dead_letters.run(stop), name="dead-letter-counts")]
+    supervise(tasks, stop)
     try:
         if config.wx_address:
             from services.weight_exchange.client import SenderAgent
@@ -300,15 +303,14 @@ async def serve(config: TrainerConfig, stop: asyncio.Event) -> None:
             sender = SenderAgent(rank_id=config.rank_id, params=trainer.engine.weights(),
                                  wx_address=config.wx_address, token=config.auth_token,
                                  transports=(config.weight_transport,), host="127.0.0.1")
-            if hasattr(sender, "end_update"):
-                sender.end_update(trainer.version)  # the parameters hold the resumed version
+            sender.end_update(trainer.version)  # the parameters hold the resumed version
             await sender.open()
             trainer.sender = sender
-            if hasattr(sender, "keep_registered"):  # register, then heartbeat (re-registers after a wx restart)
-                tasks.append(asyncio.create_task(sender.keep_registered(stop), name="wx_register"))
-                supervise(tasks, stop)
-            else:
-                await call_until_ok(sender.register, stop, what="weight_exchange")
+            # register, then heartbeat (re-registers after a weight_exchange restart)
+            tasks.append(asyncio.create_task(sender.keep_registered(stop), name="wx_register"))
+            supervise(tasks[-1:], stop)
+            # a Sync before this process's registration landed would use a dead predecessor's endpoints
+            await wait_either(sender.registered, stop)
         engine = trainer.engine
         get_logger().info("serving", grpc_port=rpc.port, algo=config.algo, lora=config.lora.enabled,
                           critic=engine.critic is not None, reference=engine.reference is not None,
@@ -324,9 +326,3 @@ async def serve(config: TrainerConfig, stop: asyncio.Event) -> None:
         await rpc.stop()
         await bus.close()
 
-
-async def _either(a: asyncio.Event, b: asyncio.Event) -> None:
-    waiters = [asyncio.ensure_future(a.wait()), asyncio.ensure_future(b.wait())]
-    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-    for w in waiters:
-        w.cancel()

@@ -188,10 +188,8 @@ class Coordinator:
             raise SyncError("FAILED_PRECONDITION", f"no receiver is registered: nothing to deploy version {version} to")
         if not self.senders:
             raise SyncError("FAILED_PRECONDITION", "no sender is registered")
-        for r in receivers:
-            if r.version > version:
-                raise SyncError("FAILED_PRECONDITION", f"version: {version} is older than version {r.version} that "
-                                                       f"receiver {r.rank_id} has applied (no downgrade)")
+        # a version below a receiver's is deployed too: a trainer resumed from an older checkpoint is the
+        # lineage now (the senders refuse to serve any version other than the one they hold)
         p, results = await self._update(receivers, version, name, verify)
         seconds = time.monotonic() - start
         moved = sum(res.bytes_received for res in results)

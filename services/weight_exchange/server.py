@@ -95,7 +95,8 @@ class WeightExchangeServicer(wx_grpc.WeightExchangeServiceServicer):
 
 
 async def serve(config: WeightExchangeConfig, stop: asyncio.Event) -> None:
-    bus = await Bus.connect(config.nats_url, name="weight_exchange") if config.publish_events and config.nats_url \
+    bus = await Bus.connect(config.nats_url, name="weight_exchange",
+                             replicas=config.nats_replicas) if config.publish_events and config.nats_url \
         else None
 
     async def deployed(version: int) -> None:

@@ -143,7 +143,7 @@ async def _measure(case: Case, transport: str, stub: Any, stats: Any, model_byte
     ours, naive, floors, peaks, naive_peaks, correct = [], [], [], [], [], True
     gather_bytes = 0
     status = await stub.Status(common_pb2.StatusRequest(), timeout=60)
-    version = status.deployed_version + 1     # versions only go up (the service refuses a downgrade)
+    version = status.deployed_version + 1     # a fresh version per case
     for i in range(case.repeat + 1):          # the first round warms up (plan cache, connections)
         await asyncio.gather(*[p.call({"cmd": "reset"}) for p in everyone])
         start = time.perf_counter()

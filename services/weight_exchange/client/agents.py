@@ -229,9 +229,6 @@ class ReceiverAgent(_Registrant):
                 await invalid_argument(context, f"transfers[{i}].dst_rank_id", f"{t.dst!r} is not {self.rank_id!r}")
         async with self._lock:
             old = self.version
-            if request.version < old:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"version: {self.rank_id} has applied {old}; {request.version} would downgrade it")
             try:
                 if self._on_pause is not None:
                     await self._on_pause()

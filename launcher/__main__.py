@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kills", type=int, default=None, help="number of kills (default: one per service)")
     p.add_argument("--services", default="", help="comma-separated targets (default: the five services and nats)")
     p.add_argument("--nats", choices=NATS_MODES, default="single")
+    p.add_argument("--nats-outage", type=float, default=0.0, help="seconds nats-server stays down when killed")
     p = sub.add_parser("supervise", help="(started by `up`) keep the stack in --state running until SIGTERM")
     p.add_argument("--state", type=pathlib.Path, default=STATE_FILE)
     args = parser.parse_args(argv)
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
 
         services = tuple(s.strip() for s in args.services.split(",") if s.strip()) or TARGETS
         report = chaos(args.config, seed=args.seed, kills=args.kills, services=services, name=args.name,
-                       nats_mode=args.nats)
+                       nats_mode=args.nats, nats_outage=args.nats_outage)
         print(json.dumps({k: v for k, v in report.items() if k != "schedule"}, indent=2))
         sys.exit(0 if report["passed"] else 1)
     if args.command == "up":

@@ -52,13 +52,15 @@ def schedule(seed: int, total_steps: int, *, kills: int | None = None,
 class Killer(threading.Thread):
     """Carries out a schedule against a running stack; records what it killed and when."""
 
-    def __init__(self, stack: Stack, events, plan: list[Kill], started: float, *, settle_timeout: float = 180.0) -> None:
+    def __init__(self, stack: Stack, events, plan: list[Kill], started: float, *, settle_timeout: float = 180.0,
+                 nats_outage: float = 0.0) -> None:
         super().__init__(daemon=True, name="chaos-killer")
         self.stack = stack
         self.events = events
         self.plan = plan
         self.started = started
         self.settle_timeout = settle_timeout
+        self.nats_outage = nats_outage
         self.done: list[dict] = []
         self.finished = threading.Event()
         self.halt = threading.Event()
@@ -72,9 +74,10 @@ class Killer(threading.Thread):
                     return
                 before = self.stack.restarts.get(kill.service, 0)
                 version = self.events.version
-                self.stack.kill(kill.service)
+                hold = self.nats_outage if kill.service == "nats" else 0.0
+                self.stack.kill(kill.service, hold=hold)
                 self.done.append({"service": kill.service, "wall_second": round(time.time() - self.started, 1),
-                                  "policy_version": version})
+                                  "policy_version": version, **({"down_seconds": hold} if hold else {})})
                 self._settle(kill.service, before)
         finally:
             self.finished.set()
@@ -91,7 +94,7 @@ class Killer(threading.Thread):
 
 def chaos(config: str = "configs/chaos.yaml", *, seed: int = 0, kills: int | None = None,
           services: tuple[str, ...] = TARGETS, name: str = "", nats_mode: str = "single",
-          runs_root: pathlib.Path | None = None, progress: bool = True) -> dict:
+          runs_root: pathlib.Path | None = None, progress: bool = True, nats_outage: float = 0.0) -> dict:
     from launcher.stack import load_plan
 
     plan_cfg = load_plan(config)
@@ -103,7 +106,7 @@ def chaos(config: str = "configs/chaos.yaml", *, seed: int = 0, kills: int | Non
     holder: dict = {}
 
     def on_healthy(stack: Stack, events) -> None:
-        holder["killer"] = Killer(stack, events, plan, time.time())
+        holder["killer"] = Killer(stack, events, plan, time.time(), nats_outage=nats_outage)
         holder["killer"].start()
 
     def before_stop(stack: Stack, summary: dict) -> None:
@@ -125,6 +128,7 @@ def chaos(config: str = "configs/chaos.yaml", *, seed: int = 0, kills: int | Non
     report = {
         "seed": seed,
         "nats_mode": nats_mode,
+        "nats_outage_seconds": nats_outage,
         "schedule": [dataclasses.asdict(k) for k in plan],
         "kills": killer.done if killer else [],
         "restarts": holder.get("restarts", {}),

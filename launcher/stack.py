@@ -122,17 +122,18 @@ class Stack:
         """
         return self.supervisor.pid(self._child(name))
 
-    def kill(self, name: str, sig: int = signal.SIGKILL, *, rng: random.Random | None = None) -> str:
+    def kill(self, name: str, sig: int = signal.SIGKILL, *, rng: random.Random | None = None, hold: float = 0.0) -> str:
         """Send `sig` to one of the five services or "nats"; the supervisor restarts it after its back-off.
 
         In cluster mode "nats" picks one running node at random (`rng`, else the Stack's `rng`). Returns the
-        supervised name signalled ("rollout", "nats", "nats-n2"); wait for `restarts[name]` to grow.
+        supervised name signalled ("rollout", "nats", "nats-n2"); wait for `restarts[name]` to grow. `hold`: keep
+        it down at least that long (an outage).
         """
         if name == "nats" and isinstance(self.nats, NatsCluster):
             running = [i for i, node in enumerate(self.nats.nodes) if node.alive] or list(range(len(self.nats.nodes)))
             self._nats_node = (rng or self.rng).choice(running)
         child = self._child(name)
-        self.supervisor.kill(child, sig)
+        self.supervisor.kill(child, sig, hold=hold)
         return child
 
     def _child(self, name: str) -> str:

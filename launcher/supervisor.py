@@ -87,6 +87,7 @@ class Child:
     spawn: Callable[[], subprocess.Popen]
     tracker: RestartTracker
     proc: subprocess.Popen | None = None
+    hold_until: float = 0.0  # no restart before this time (an outage kept on purpose)
 
 
 class Supervisor:
@@ -147,12 +148,15 @@ class Supervisor:
         with self._lock:
             return {name: child.tracker.restarts for name, child in self._children.items()}
 
-    def kill(self, name: str, sig: int = signal.SIGKILL) -> int | None:
-        """Send `sig` to the child's running process; the supervisor restarts it. The pid signalled, or None."""
+    def kill(self, name: str, sig: int = signal.SIGKILL, *, hold: float = 0.0) -> int | None:
+        """Send `sig` to the child's running process; the supervisor restarts it (not before `hold` s have
+        passed: an outage on purpose). The pid signalled, or None."""
         with self._lock:
-            proc = self._child(name).proc
+            child = self._child(name)
+            proc = child.proc
             if proc is None or proc.poll() is not None:
                 return None
+            child.hold_until = self.clock() + hold
             proc.send_signal(sig)
             return proc.pid
 
@@ -183,7 +187,7 @@ class Supervisor:
                     self._log({"service": child.name, "at": round(time.time(), 3),
                                "exit_code": child.proc.returncode, "restart_in": round(delay, 3),
                                "pid": child.proc.pid, "restarts": tracker.restarts})
-                if tracker.due(now):
+                if tracker.due(now) and now >= child.hold_until:
                     try:
                         child.proc = child.spawn()
                     except Exception as exc:  # e.g. the binary vanished: try again after the next back-off

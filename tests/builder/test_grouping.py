@@ -72,3 +72,15 @@ def test_eval_rounds_attribute_results_and_complete_once():
     done = tracker.record(rnd.round_id, "t2", 0.0, [0, 1])
     assert done is rnd and rnd.accuracy == 0.5 and rnd.token_versions == {0, 1}
     assert not tracker.pending
+
+
+def test_a_redelivered_member_of_a_complete_group_never_reopens_it():
+    asm = GroupAssembler()
+    asm.add(traj("a0", "a", 2), ack="d1")
+    group = asm.add(traj("a1", "a", 2), ack="d2")
+    assert group is not None and list(asm.ready) == [group]
+    # the same member again (its ack deadline passed while the group waited for a batch)
+    assert asm.add(traj("a1", "a", 2), ack="d3") is None
+    assert "a" not in asm.open and list(asm.ready) == [group] and group.acks == ["d1", "d2", "d3"]
+    assert asm.held() == ["d1", "d2", "d3"]
+    assert asm.forget("a") is group and not asm.ready and asm.held() == []

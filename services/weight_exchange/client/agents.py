@@ -227,6 +227,20 @@ class ReceiverAgent(_Registrant):
         for i, t in enumerate(transfers):
             if t.dst != self.rank_id:
                 await invalid_argument(context, f"transfers[{i}].dst_rank_id", f"{t.dst!r} is not {self.rank_id!r}")
+        # shielded: an Apply whose caller went away (a restarted trainer cancels its Sync) still resumes the
+        # engine it paused; otherwise generation would stay paused for good
+        job = asyncio.ensure_future(self._apply(request, transfers))
+        try:
+            result = await asyncio.shield(job)
+        except _ApplyFailed as exc:
+            await context.abort(exc.code, exc.message)
+        log.info("applied", rank_id=self.rank_id, version=request.version, bytes=result.bytes_received,
+                 seconds=round(result.seconds, 4), plan_hash=request.plan_hash)
+        return wx_pb2.ApplyReply(bytes_received=result.bytes_received, seconds=result.seconds,
+                                 checksum=result.checksum)
+
+    async def _apply(self, request: wx_pb2.ApplyRequest, transfers: list[Transfer]):
+        """Pause, pull every planned range into the live tensors, resume (at the new version on success)."""
         async with self._lock:
             old = self.version
             try:
@@ -235,7 +249,7 @@ class ReceiverAgent(_Registrant):
             except Exception as exc:
                 await self._resume(old)
                 log.warning("pause_failed", rank_id=self.rank_id, version=request.version, error=str(exc))
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.rank_id}: pause failed: {exc}")
+                raise _ApplyFailed(grpc.StatusCode.UNAVAILABLE, f"{self.rank_id}: pause failed: {exc}") from exc
             try:
                 result = await asyncio.to_thread(
                     pull_all, self.rank_id, self.params, transfers, dict(request.sender_endpoints),
@@ -246,17 +260,24 @@ class ReceiverAgent(_Registrant):
                 code = (grpc.StatusCode.INVALID_ARGUMENT if isinstance(exc, ValueError) else
                         grpc.StatusCode.DEADLINE_EXCEEDED if isinstance(exc, TransferTimeout) else
                         grpc.StatusCode.ABORTED)
-                await context.abort(code, f"{self.rank_id}: {exc}")
+                raise _ApplyFailed(code, f"{self.rank_id}: {exc}") from exc
+            except BaseException:
+                await self._resume(old)
+                raise
             self.version = request.version
             await self._resume(request.version)
-        log.info("applied", rank_id=self.rank_id, version=request.version, bytes=result.bytes_received,
-                 seconds=round(result.seconds, 4), plan_hash=request.plan_hash)
-        return wx_pb2.ApplyReply(bytes_received=result.bytes_received, seconds=result.seconds,
-                                 checksum=result.checksum)
+            return result
 
     async def _resume(self, version: int) -> None:
         if self._on_resume is not None:
             await self._on_resume(version)
+
+
+class _ApplyFailed(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
 
 
 class _AgentServicer(wx_grpc.WeightAgentServiceServicer):

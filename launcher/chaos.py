@@ -94,7 +94,9 @@ class Killer(threading.Thread):
 
 def chaos(config: str = "configs/chaos.yaml", *, seed: int = 0, kills: int | None = None,
           services: tuple[str, ...] = TARGETS, name: str = "", nats_mode: str = "single",
-          runs_root: pathlib.Path | None = None, progress: bool = True, nats_outage: float = 0.0) -> dict:
+          runs_root: pathlib.Path | None = None, progress: bool = True, nats_outage: float = 0.0,
+          model_seed: int = 0) -> dict:
+    """`seed` chooses the kills; `model_seed` the run's model and sampling (the built model is reused)."""
     from launcher.stack import load_plan
 
     plan_cfg = load_plan(config)
@@ -121,12 +123,13 @@ def chaos(config: str = "configs/chaos.yaml", *, seed: int = 0, kills: int | Non
 
     name = name or f"chaos-seed{seed}"
     started = time.time()
-    summary = run(config, name=name, seed=seed, runs_root=runs_root, progress=progress, nats_mode=nats_mode,
+    summary = run(config, name=name, seed=model_seed, runs_root=runs_root, progress=progress, nats_mode=nats_mode,
                   on_healthy=on_healthy, before_stop=before_stop)
     audit = holder.get("audit")
     killer = holder.get("killer")
     report = {
         "seed": seed,
+        "model_seed": model_seed,
         "nats_mode": nats_mode,
         "nats_outage_seconds": nats_outage,
         "schedule": [dataclasses.asdict(k) for k in plan],

@@ -1,4 +1,5 @@
-"""`python -m launcher run|up|down|status|supervise|chaos`: the local stack (nats-server + five service processes)."""
+"""`python -m launcher run|up|down|status|supervise|chaos|report`: the local stack (nats-server + five service
+processes); `report` follows a deployed run (Compose, Kubernetes) and writes its results."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import pathlib
 import sys
 
+from launcher import reporter
 from launcher.stack import DEFAULT_PORTS, NATS_MODES, STATE_FILE, down, run, status, supervise, up
 
 
@@ -31,9 +33,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--services", default="", help="comma-separated targets (default: the five services and nats)")
     p.add_argument("--nats", choices=NATS_MODES, default="single")
     p.add_argument("--nats-outage", type=float, default=0.0, help="seconds nats-server stays down when killed")
+    p.add_argument("--model-seed", type=int, default=0, help="the run's model and sampling seed (--seed picks kills)")
     p = sub.add_parser("supervise", help="(started by `up`) keep the stack in --state running until SIGTERM")
     p.add_argument("--state", type=pathlib.Path, default=STATE_FILE)
+    p = sub.add_parser("report", help="follow a deployed run's EVENTS until its end; write summary, metrics, plot")
+    reporter.add_arguments(p)
     args = parser.parse_args(argv)
+    if args.command == "report":
+        sys.exit(reporter.main(args))
     if args.command == "run":
         summary = run(args.config, name=args.name or f"seed{args.seed}", seed=args.seed, algo=args.algo,
                       ports=DEFAULT_PORTS, nats_mode=args.nats)
@@ -43,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
 
         services = tuple(s.strip() for s in args.services.split(",") if s.strip()) or TARGETS
         report = chaos(args.config, seed=args.seed, kills=args.kills, services=services, name=args.name,
-                       nats_mode=args.nats, nats_outage=args.nats_outage)
+                       nats_mode=args.nats, nats_outage=args.nats_outage, model_seed=args.model_seed)
         print(json.dumps({k: v for k, v in report.items() if k != "schedule"}, indent=2))
         sys.exit(0 if report["passed"] else 1)
     if args.command == "up":

@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from services.common.config import ServiceConfig
 from services.rollout.engines.torch_engine import EngineConfig
 from services.rollout.gateway.config import GatewayConfig
 
 
+def default_rank_id() -> str:
+    """Unique per replica in a container (Compose and Kubernetes set HOSTNAME to the container or pod name)."""
+    host = os.environ.get("HOSTNAME", "")
+    return f"rollout-{host}" if host else "rollout-0"
+
+
 @dataclasses.dataclass(kw_only=True)
 class RolloutConfig(ServiceConfig):
     grpc_address: str = "127.0.0.1:50051"
-    rank_id: str = "rollout-0"
+    rank_id: str = dataclasses.field(default_factory=default_rank_id)  # the weight exchange's name for this rank
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     concurrency: int = 64  # prompt-work messages generated at once
     wx_address: str = "127.0.0.1:50055"  # weight_exchange; empty: no weight updates

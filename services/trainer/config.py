@@ -38,6 +38,7 @@ class TrainerConfig(ServiceConfig):
     torch_threads: int = 1
     wx_address: str = "127.0.0.1:50055"                 # weight_exchange; empty: no weight sync
     weight_transport: str = "shm"
+    weight_host: str = "127.0.0.1"                      # where receivers reach this rank's weights (a container's IP)
     sync_timeout: float = 200.0                         # > weight_exchange transfer + control timeouts
     sync_retries: int = 3                               # weight-sync attempts after the first one fails
 

@@ -1,0 +1,132 @@
+"""deploy/compose and deploy/docker, offline: the compose file's references hold, its settings load into each
+service's typed config, and `docker compose config` accepts it where a Compose binary is installed."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from services.builder.config import BuilderConfig
+from services.common.config import load_config
+from services.reward.config import RewardConfig
+from services.rollout.config import RolloutConfig
+from services.trainer.config import TrainerConfig
+from services.weight_exchange.config import WeightExchangeConfig
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "deploy" / "compose" / "docker-compose.yml"
+DOCKERFILE = ROOT / "deploy" / "docker" / "Dockerfile"
+SERVICES = {"weight-exchange": ("weight_exchange", WeightExchangeConfig, 50055), "reward": ("reward", RewardConfig, 50052),
+            "builder": ("builder", BuilderConfig, 50053), "trainer": ("trainer", TrainerConfig, 50054),
+            "rollout": ("rollout", RolloutConfig, 50051)}
+
+
+def interpolate(value, env: dict[str, str]):
+    """Compose's ${VAR:-default} and $$ (enough for this file), recursively."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+    value = re.sub(r"\$\{(\w+)(?::-([^}]*))?\}", lambda m: env.get(m[1]) or (m[2] or ""), value)
+    return value.replace("$$", "$")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return interpolate(yaml.safe_load(COMPOSE.read_text()), {"MESHRL_TOTAL_STEPS": "20"})
+
+
+def test_services_healthchecks_restart_policy_and_dependencies(compose):
+    services = compose["services"]
+    assert {"nats", "model", "reporter", *SERVICES} <= set(services)
+    for name, spec in services.items():
+        for dep, cond in (spec.get("depends_on") or {}).items():
+            assert dep in services, f"{name} depends on unknown {dep}"
+            assert cond["condition"] in ("service_healthy", "service_completed_successfully", "service_started")
+            if cond["condition"] == "service_healthy":
+                assert "healthcheck" in services[dep], f"{name} waits for {dep}'s health, which it does not report"
+        for volume in spec.get("volumes", []):
+            source = volume.split(":")[0]
+            assert source.startswith((".", "/")) or source in compose["volumes"], f"{name}: volume {source}"
+    for name, (module, _, port) in SERVICES.items():
+        spec = services[name]
+        assert spec["restart"] == "unless-stopped" and spec["command"] == [module]
+        assert spec["healthcheck"]["test"] == ["CMD", "python", "-m", "services.common.healthcheck", f":{port}"]
+        assert spec["depends_on"]["nats"]["condition"] == "service_healthy"
+    assert services["nats"]["command"][:2] == ["nats-server", "-js"] and "nats:/data" in services["nats"]["volumes"]
+
+
+def environment(compose: dict, service: str) -> dict[str, str]:
+    return {k: str(v) for k, v in compose["services"][service]["environment"].items()}
+
+
+def test_settings_load_into_each_service_config(compose):
+    for name, (module, cls, _) in SERVICES.items():
+        env = environment(compose, name)
+        assert all(k.startswith(f"MESHRL_{module.upper()}__") for k in env), name
+        config = load_config(cls, module, env=env)
+        assert config.nats_url == "nats://nats:4222"
+    trainer = load_config(TrainerConfig, "trainer", env=environment(compose, "trainer"))
+    builder = load_config(BuilderConfig, "builder", env=environment(compose, "builder"))
+    assert trainer.total_steps == builder.total_steps == 20 and trainer.weight_transport == "tcp"
+    reporter = compose["services"]["reporter"]["command"]
+    assert reporter[:4] == ["python", "-m", "launcher", "report"]
+    assert reporter[reporter.index("--total-steps") + 1] == "20"
+    assert reporter[reporter.index("--out") + 1] == trainer.run_dir  # the results sit beside the checkpoint
+
+
+def test_docker_compose_config_accepts_it():
+    for cmd in (["docker", "compose"], ["docker-compose"]):
+        if shutil.which(cmd[0]) and subprocess.run([*cmd, "version"], capture_output=True).returncode == 0:
+            out = subprocess.run([*cmd, "-f", str(COMPOSE), "config", "--quiet"], capture_output=True, text=True,
+                                 timeout=60)
+            assert out.returncode == 0, out.stderr
+            return
+    pytest.skip("no Compose binary installed (make test-deploy installs one)")
+
+
+def test_dockerfile_targets_base_and_user():
+    text = DOCKERFILE.read_text()
+    stages = re.findall(r"^FROM (\S+) AS (\w+)", text, re.M)
+    assert {name for _, name in stages} == {"deps", "app", "cpu", "gpu", "ascend"}
+    assert "ARG PYTHON_IMAGE=python:3.11-slim-bookworm" in text
+    cpu = text.split(" AS cpu")[1].split("\nFROM ")[0]
+    assert "USER 10001:10001" in cpu and 'ENTRYPOINT ["meshrl-entrypoint"]' in cpu
+    kept = [line[1:] for line in (ROOT / ".dockerignore").read_text().split() if line.startswith("!")]
+    for copied in re.findall(r"^COPY (?!--from)(\S+)", text, re.M):
+        assert any(copied.startswith(k) for k in kept), f"{copied} is not in the build context (.dockerignore)"
+
+
+def test_rollout_rank_id_is_unique_per_container(monkeypatch):
+    monkeypatch.setenv("HOSTNAME", "3f2a9c01b7de")
+    assert RolloutConfig().rank_id == "rollout-3f2a9c01b7de"
+    monkeypatch.delenv("HOSTNAME")
+    assert RolloutConfig().rank_id == "rollout-0"
+    assert RolloutConfig(rank_id="r7").rank_id == "r7"
+
+
+@pytest.mark.parametrize(("argv", "env", "expected"), [
+    (["rollout"], {}, "services.rollout ADDR=10.9.8.7:50051 HOST="),
+    (["rollout"], {"POD_IP": "10.0.0.5"}, "services.rollout ADDR=10.0.0.5:50051 HOST="),
+    (["trainer", "--config", "x.yaml"], {}, "services.trainer --config x.yaml ADDR= HOST=10.9.8.7"),
+    (["trainer"], {"MESHRL_TRAINER__WEIGHT_HOST": "trainer"}, "services.trainer ADDR= HOST=trainer"),
+    (["echo", "as", "given"], {}, "as given"),
+])
+def test_entrypoint_picks_the_service_and_its_reachable_address(tmp_path, argv, env, expected):
+    """deploy/docker/entrypoint.sh with a stand-in `python` that reports what it was asked to run."""
+    stub = tmp_path / "python"
+    stub.write_text('#!/bin/sh\nif [ "$1" = -c ]; then echo 10.9.8.7; exit; fi\nshift  # -m\n'
+                    'echo "$* ADDR=$MESHRL_ROLLOUT__GRPC_ADDRESS HOST=$MESHRL_TRAINER__WEIGHT_HOST"\n')
+    stub.chmod(0o755)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("MESHRL_", "POD_IP"))}
+    out = subprocess.run(["sh", str(ROOT / "deploy" / "docker" / "entrypoint.sh"), *argv], capture_output=True,
+                         text=True, env={**clean, **env, "PATH": f"{tmp_path}:{clean['PATH']}"}, check=True).stdout
+    assert out.strip() == expected

@@ -151,6 +151,8 @@ class Builder:
         if not traj.trajectory_id or not traj.group_id:
             raise InvalidMessage("trajectory_id / group_id: missing")
         await self.live.wait()
+        if traj.source == "workflow" and traj.split == "train" and not self._issued_here(traj.group_id):
+            raise InvalidMessage(f"group_id: {traj.group_id!r} was never issued by this builder")
         if traj.split == "eval":
             await self._record_eval(traj, msg)
             return
@@ -263,9 +265,16 @@ class Builder:
             with contextlib.suppress(Exception):
                 await msg.ack()
 
+    def _issued_here(self, group_id: str) -> bool:
+        n = group_id.removeprefix("g-")
+        return n.isdigit() and int(n) < self.issued
+
     async def _record_eval(self, traj: data_pb2.Trajectory, msg) -> None:
-        meta = msgpack.unpackb(traj.metadata, raw=False) if traj.metadata else {}
-        round_id = int(meta.get("eval_round", -1))
+        try:
+            meta = msgpack.unpackb(traj.metadata, raw=False) if traj.metadata else {}
+            round_id = int(meta.get("eval_round", -1))
+        except (ValueError, TypeError, AttributeError, msgpack.ExtraData) as exc:
+            raise InvalidMessage(f"metadata: not a msgpack map with an integer eval_round: {exc}") from exc
         known = self.evals.rounds.get(round_id)
         if known is None or known.complete:
             await msg.ack()  # a late repeat, or a round this run never issued

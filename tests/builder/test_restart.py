@@ -12,7 +12,7 @@ import asyncio
 from services.builder.config import BuilderConfig
 from services.builder.server import Builder
 from services.common.batches import published_batches, read_batch
-from services.common.bus import SUBJECT_TRAJ_SCORED, SUBJECT_VERSIONS, Bus, consume, decoder
+from services.common.bus import SUBJECT_TRAJ_SCORED, SUBJECT_VERSIONS, Bus, InvalidMessage, consume, decoder
 from services.common.contracts import data_pb2
 
 ACK_WAIT = 2.0
@@ -158,3 +158,22 @@ async def test_restarted_builder_finishes_an_eval_round_it_had_issued(nats_serve
         stop.set()
         await asyncio.gather(*tasks, rollout_task, return_exceptions=True)
         await rollout_bus.close()
+
+
+async def test_scored_trajectories_the_builder_never_issued_are_dead_lettered(nats_server):
+    bus = await Bus.connect(nats_server.url, name="builder", ack_wait=ACK_WAIT)
+    builder = make_builder(bus)
+    builder.live.set()
+    stray = data_pb2.Trajectory(trajectory_id="x-0", group_id="g-999", group_size=2, source="workflow", split="train")
+    bad_eval = data_pb2.Trajectory(trajectory_id="e-0", group_id="e", group_size=1, split="eval", metadata=b"\xc1")
+    try:
+        for traj in (stray, bad_eval):
+            try:
+                await builder.handle_scored(traj, msg=None)
+            except InvalidMessage as exc:
+                assert "group_id" in str(exc) or "metadata" in str(exc)
+            else:
+                raise AssertionError(f"{traj.trajectory_id} was accepted")
+        assert builder.budget.in_flight == 0 and not builder.assembler.known
+    finally:
+        await bus.close()

@@ -302,7 +302,7 @@ async def serve(config: TrainerConfig, stop: asyncio.Event) -> None:
 
             sender = SenderAgent(rank_id=config.rank_id, params=trainer.engine.weights(),
                                  wx_address=config.wx_address, token=config.auth_token,
-                                 transports=(config.weight_transport,), host="127.0.0.1")
+                                 transports=(config.weight_transport,), host=config.weight_host)
             sender.end_update(trainer.version)  # the parameters hold the resumed version
             await sender.open()
             trainer.sender = sender

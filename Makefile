@@ -9,7 +9,7 @@ ALGO    ?= grpo
 NATS    ?= single
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup run run-agent chaos up down status test test-fast proto lint bench-weights bench-gateway clean
+.PHONY: setup run run-agent chaos up down status test test-fast test-deploy proto lint bench-weights bench-gateway fuzz clean
 
 setup: $(STAMP)
 
@@ -44,6 +44,10 @@ test: setup
 test-fast: setup
 	$(PYTHON) -m pytest -q -ra -m "not slow and not e2e"
 
+# builds the image and runs the Compose stack for real (root; installs docker.io, debootstrap, Compose if missing)
+test-deploy: setup
+	$(PYTHON) scripts/deploy_test.py
+
 proto: setup
 	$(PYTHON) scripts/gen_proto.py
 
@@ -55,6 +59,11 @@ bench-weights: setup
 
 bench-gateway: setup
 	$(PYTHON) -m bench.gateway
+
+# property-based fuzzing of every edge (gateway HTTP, each consumed bus subject): one JSON line per target
+FUZZ_CASES ?= 10000
+fuzz: setup
+	$(PYTHON) -m bench.fuzz --cases $(FUZZ_CASES)
 
 clean:
 	rm -rf runs artifacts .stack

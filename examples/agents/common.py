@@ -17,10 +17,11 @@ import random
 import re
 import sys
 import threading
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 
-DEV_ADMIN_KEY = "meshrl-dev-admin-key"
 SYSTEM = ("You are a careful arithmetic assistant. Use the calculator tool for every computation, then reply with "
           "'Answer: <number>'.")
 TOOLS = [{"type": "function", "function": {  # OpenAI's format; the Anthropic agent sends the same schema
@@ -34,8 +35,11 @@ def arguments(description: str) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--base-url", default=os.environ.get("MESHRL_GATEWAY_URL", "http://127.0.0.1:8000"),
                    help="the gateway (the OpenAI base URL is <base-url>/v1)")
-    p.add_argument("--admin-key", default=os.environ.get("MESHRL_ADMIN_KEY", DEV_ADMIN_KEY),
-                   help="starts sessions (env MESHRL_ADMIN_KEY)")
+    p.add_argument("--admin-key", default=os.environ.get("MESHRL_ADMIN_KEY"),
+                   help="starts sessions (env MESHRL_ADMIN_KEY; else read from --admin-key-file)")
+    p.add_argument("--admin-key-file", default=os.environ.get("MESHRL_ADMIN_KEY_FILE"),
+                   help="file holding the admin key (env MESHRL_ADMIN_KEY_FILE; default: the file a gateway on this "
+                        "machine generated, e.g. runs/up/secrets/gateway_admin_key)")
     p.add_argument("--api-key", default=os.environ.get("MESHRL_SESSION_KEY"),
                    help="use this fixed session key (re-started for every episode, like OpenClaw) instead of fresh ones")
     p.add_argument("--episodes", type=int, default=8)
@@ -51,7 +55,27 @@ def arguments(description: str) -> argparse.Namespace:
     args = p.parse_args()
     if args.api_key and args.parallel > 1:
         p.error("--parallel: a fixed --api-key plays one episode at a time (starting it again ends the last one)")
+    args.admin_key = args.admin_key or read_admin_key(args.base_url, args.admin_key_file)
+    if not args.admin_key:
+        p.error("no admin key: pass --admin-key or --admin-key-file, or set MESHRL_ADMIN_KEY / MESHRL_ADMIN_KEY_FILE "
+                "(a gateway that generated its key says where it wrote it when it starts)")
     return args
+
+
+def read_admin_key(base_url: str, path: str | None) -> str | None:
+    """The key in `path`; without one, in the file a gateway on this machine names in its discovery note
+    (`$MESHRL_RUNTIME_DIR` or ~/.cache/meshrl/runtime, `gateway-<port>.json`: the key file's path, never the key)."""
+    if not path:
+        port = urllib.parse.urlsplit(base_url).port or 80
+        folder = Path(os.environ.get("MESHRL_RUNTIME_DIR") or Path.home() / ".cache" / "meshrl" / "runtime")
+        try:
+            path = json.loads((folder / f"gateway-{port}.json").read_text())["admin_key_file"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+    try:
+        return Path(path).read_text().strip() or None
+    except OSError:
+        return None
 
 
 def task(rng: random.Random) -> tuple[str, str, float]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 from services.rollout.engines.torch_engine import EmbeddedEngine, EngineConfig  # noqa: E402
 from services.rollout.gateway import GatewayConfig, create_app, serve_gateway  # noqa: E402
+from services.rollout.gateway.config import ensure_admin_key  # noqa: E402
 from services.trainer.models.tiny_qwen3 import TinyQwen3Config, build_tokenizer, padded_vocab_size  # noqa: E402
 
 
@@ -49,10 +49,10 @@ async def main(args: argparse.Namespace) -> None:
                           "group": f"{traj.group_id}/{traj.group_size}", "prompt_tokens": len(traj.prompt_ids),
                           "completion_tokens": len(traj.completion_ids), "trained_tokens": sum(traj.loss_mask)}), flush=True)
 
-    config = GatewayConfig(port=args.port, admin_key=os.environ.get("MESHRL_ADMIN_KEY") or GatewayConfig().admin_key,
-                           max_tokens_cap=args.max_tokens_cap)
-    if config.uses_dev_admin_key:
-        print(f"admin key (development default): {config.admin_key}", flush=True)
+    config = GatewayConfig(port=args.port, max_tokens_cap=args.max_tokens_cap)  # admin key: MESHRL_ADMIN_KEY, else
+    key_file = ensure_admin_key(config, args.run_dir)                           # generated into the run directory
+    if key_file is not None:
+        print(f"admin key: in {key_file} (the example agents find it on their own)", flush=True)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -68,4 +68,5 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-context", type=int, default=4096)
     parser.add_argument("--max-tokens-cap", type=int, default=256)
+    parser.add_argument("--run-dir", default="runs/dev-gateway", help="where a generated admin key is kept")
     asyncio.run(main(parser.parse_args()))

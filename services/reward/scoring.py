@@ -1,7 +1,15 @@
-"""Scoring a trajectory: decode, pick the verifier, set the reward. No I/O."""
+"""Scoring a trajectory: validate, decode, pick the verifier, set the reward. No I/O.
+
+Verifiers marked `isolated` (math-verify) run in worker processes with a deadline (`timeout_s`): a verification
+that passes it scores 0 with the reason "timeout". `score` blocks the calling thread at most that long;
+`score_async` keeps the event loop free (the consumer should await it).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import math
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -11,6 +19,11 @@ from services.common.bus import InvalidMessage
 from services.common.contracts import data_pb2
 from services.common.ids import now
 from services.reward.verifiers import Verdict, Verifier, build_verifier
+from services.reward.verifiers.base import check_task
+from services.reward.verifiers.pool import VerifierPool, shared_pool
+
+DEFAULT_TIMEOUT_S = 10.0
+_ID = re.compile(r"[\x21-\x7e]{1,256}")  # ids travel in Nats-Msg-Id headers
 
 
 def decode_metadata(raw: bytes) -> Mapping[str, Any]:
@@ -25,19 +38,36 @@ def decode_metadata(raw: bytes) -> Mapping[str, Any]:
     return value
 
 
-def validate_trajectory(traj: data_pb2.Trajectory) -> None:
+def validate_trajectory(traj: data_pb2.Trajectory, vocab_size: int | None = None) -> None:
     if not traj.trajectory_id:
         raise InvalidMessage("trajectory_id: missing")
+    if not _ID.fullmatch(traj.trajectory_id):
+        raise InvalidMessage("trajectory_id: must be 1-256 visible ASCII characters without spaces")
     n = len(traj.completion_ids)
     for field in ("behavior_logprobs", "versions", "loss_mask"):
         if len(getattr(traj, field)) != n:
             raise InvalidMessage(f"{field}: {len(getattr(traj, field))} entries for {n} completion tokens")
+    for field in ("prompt_ids", "completion_ids"):
+        ids = getattr(traj, field)
+        if ids and (min(ids) < 0 or (vocab_size is not None and max(ids) >= vocab_size)):
+            bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+            raise InvalidMessage(f"{field}: token ids must be in {bound}")
+    if not all(math.isfinite(x) for x in traj.behavior_logprobs):
+        raise InvalidMessage("behavior_logprobs: must be finite")
+    if traj.loss_mask and not set(traj.loss_mask) <= {0, 1}:
+        raise InvalidMessage("loss_mask: entries must be 0 or 1")
+    if traj.versions and min(traj.versions) < -1:
+        raise InvalidMessage("versions: must be >= -1")
 
 
 class Scorer:
-    def __init__(self, decode: Callable[[list[int]], str], default_verifier: str) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], default_verifier: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 vocab_size: int | None = None, pool: VerifierPool | None = None) -> None:
         self.decode = decode
         self.default = default_verifier
+        self.timeout_s = timeout_s
+        self.vocab_size = vocab_size
+        self._pool = pool
         self._verifiers: dict[str, Verifier] = {}
 
     def verifier(self, name: str) -> Verifier:
@@ -45,18 +75,41 @@ class Scorer:
             self._verifiers[name] = build_verifier(name)
         return self._verifiers[name]
 
+    @property
+    def pool(self) -> VerifierPool:
+        if self._pool is None:
+            self._pool = shared_pool()
+        return self._pool
+
     def score_text(self, verifier: str, response: str, task: Mapping[str, Any]) -> Verdict:
-        return self.verifier(verifier or self.default).score(response, task)
+        """ValueError naming the field for a task no verifier can score; a verification past the deadline is 0."""
+        name = verifier or self.default
+        v = self.verifier(name)
+        if not getattr(v, "isolated", False):
+            return v.score(response, task)
+        check_task(task)
+        return self.pool.score(name, response, task, self.timeout_s)
+
+    async def score_text_async(self, verifier: str, response: str, task: Mapping[str, Any]) -> Verdict:
+        return await asyncio.to_thread(self.score_text, verifier, response, task)
 
     def score(self, traj: data_pb2.Trajectory) -> data_pb2.Trajectory:
-        validate_trajectory(traj)
+        validate_trajectory(traj, self.vocab_size)
         task = decode_metadata(traj.metadata)
         name = str(task.get("verifier") or self.default)
         try:
-            verdict = self.score_text(name, self.decode(list(traj.completion_ids)), task)
+            text = self.decode(list(traj.completion_ids))
+        except Exception as exc:  # noqa: BLE001 - whatever the tokenizer refuses, this message can never be scored
+            raise InvalidMessage(f"completion_ids: cannot be decoded ({type(exc).__name__}: {exc})") from exc
+        try:
+            verdict = self.score_text(name, text, task)
         except ValueError as exc:
             raise InvalidMessage(str(exc)) from exc
         scored = data_pb2.Trajectory()
         scored.CopyFrom(traj)
         scored.reward, scored.scored, scored.scored_at, scored.verifier = verdict.reward, True, now(), name
         return scored
+
+    async def score_async(self, traj: data_pb2.Trajectory) -> data_pb2.Trajectory:
+        """`score` on a worker thread: the event loop stays free while a verifier runs (up to its deadline)."""
+        return await asyncio.to_thread(self.score, traj)

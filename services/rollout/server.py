@@ -15,6 +15,7 @@ from services.common.bus import (
     SUBJECT_TRAJ_SCORED,
     SUBJECT_VERSIONS,
     Bus,
+    InvalidMessage,
     consume,
     decoder,
     follow,
@@ -26,7 +27,7 @@ from services.common.rpc import Servicer, bound_address, invalid_argument, start
 from services.common.service import supervise
 from services.rollout.config import RolloutConfig
 from services.rollout.engines.sequence import Sampling
-from services.rollout.engines.torch_engine import EmbeddedEngine
+from services.rollout.engines.torch_engine import MAX_SAMPLES, EmbeddedEngine
 from services.rollout.workflows.single_turn import sampling_from_proto, to_trajectories, validate_work
 
 TRAJECTORIES = prometheus_client.Counter("meshrl_rollout_trajectories_total", "Trajectories published")
@@ -58,9 +59,10 @@ class Rollout:
             self.pull_gate.set()
 
     async def handle_work(self, work: data_pb2.PromptWork) -> None:
-        validate_work(work)
-        sampling = sampling_from_proto(work.sampling)
+        sampling = validate_work(work, self.engine)  # InvalidMessage (dead-lettered) before anything is admitted
         seqs = await self.engine.generate(list(work.prompt_ids), sampling, n=work.group_size)
+        if any(s.finish_reason == "error" for s in seqs):
+            raise InvalidMessage(f"work {work.work_id}: the model failed on this prompt")
         if any(s.finish_reason == "abort" for s in seqs):
             raise RuntimeError(f"work {work.work_id} aborted by shutdown")
         for traj in to_trajectories(work, seqs):
@@ -77,18 +79,21 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self._paused_by_rpc = False
 
     async def Generate(self, request, context):
+        # everything is checked before anything is admitted: a bad request never reaches a shared model step
         if not request.prompt_ids:
             await invalid_argument(context, "prompt_ids", "empty")
         try:
             sampling = sampling_from_proto(request.sampling) if request.HasField("sampling") else Sampling()
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if request.n < 0:
-            await invalid_argument(context, "n", f"must be >= 1, got {request.n}")
+        if not 0 <= request.n <= MAX_SAMPLES:
+            await invalid_argument(context, "n", f"must be in [1, {MAX_SAMPLES}] (0: 1), got {request.n}")
         try:
+            self.r.engine.check(list(request.prompt_ids), sampling, request.n or 1)
             seqs = await self.r.engine.generate(list(request.prompt_ids), sampling, n=request.n or 1)
         except ValueError as exc:
-            await invalid_argument(context, "prompt_ids", str(exc))
+            field, _, problem = str(exc).partition(": ")
+            await invalid_argument(context, field if problem else "prompt_ids", problem or str(exc))
         return rollout_pb2.GenerateReply(completions=[
             rollout_pb2.Completion(token_ids=s.output_ids, logprobs=s.logprobs, versions=s.versions,
                                    finish_reason=s.finish_reason) for s in seqs])
@@ -210,7 +215,8 @@ async def _serve_gateway(config: RolloutConfig, engine: EmbeddedEngine, bus: Bus
     feed = asyncio.create_task(follow_budget(bus, budget, stop), name="gateway-budget")
     supervise([feed], stop)
     try:
-        await serve_gateway(create_app(config.gateway, engine, tokenizer, publish, budget), config.gateway, stop)
+        await serve_gateway(create_app(config.gateway, engine, tokenizer, publish, budget, run_dir=config.run_dir),
+                            config.gateway, stop)
     finally:
         feed.cancel()
         await asyncio.gather(feed, return_exceptions=True)

@@ -17,13 +17,13 @@ ADMIN = "test-admin-key"
 
 
 class GatewayServer:
-    def __init__(self, engine: Any, tokenizer: Any, **config: Any) -> None:
+    def __init__(self, engine: Any, tokenizer: Any, *, admin_key: str = ADMIN, run_dir: Any = None, **config: Any) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.published: list[data_pb2.Trajectory] = []
         self.publish_fails = 0               # the next N publishes raise (a bus outage)
-        self.config = GatewayConfig(port=free_port(), admin_key=ADMIN, **config)
-        self.app = create_app(self.config, engine, tokenizer, self._publish)
+        self.config = GatewayConfig(port=free_port(), admin_key=admin_key, **config)
+        self.app = create_app(self.config, engine, tokenizer, self._publish, run_dir=run_dir)
         self.gateway = self.app.state.gateway
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.gateway.harness import ADMIN, GatewayServer
@@ -80,3 +81,26 @@ def test_tool_warm_start_teaches_the_tokens_the_gateway_records(tok, script):
             assert [0] * len(traj.prompt_ids) + list(traj.loss_mask) == [int(x != -100) for x in labels]
     finally:
         server.stop()
+
+
+def test_an_agent_finds_a_generated_admin_key_without_being_given_one(tok, tmp_path, monkeypatch):
+    """No MESHRL_ADMIN_KEY: the gateway generates its key into the run directory (0600) and names the file in its
+    discovery note; the agent, given only --base-url, reads it from there. The old public key gets 401."""
+    for name in ("MESHRL_ADMIN_KEY", "MESHRL_ADMIN_KEY_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MESHRL_RUNTIME_DIR", str(tmp_path / "runtime"))
+    server = GatewayServer(scripted_engine(tok, arithmetic_replies), tok, admin_key="", run_dir=tmp_path / "run").start()
+    try:
+        key_file = tmp_path / "run" / "secrets" / "gateway_admin_key"
+        assert key_file.stat().st_mode & 0o777 == 0o600 and server.config.admin_key == key_file.read_text().strip()
+        r = httpx.post(server.url + "/rl/start_session", json={"task_id": "t"},
+                       headers={"Authorization": "Bearer meshrl-dev-admin-key"}, timeout=10)
+        assert r.status_code == 401
+        out = subprocess.run([sys.executable, str(EXAMPLES / AGENTS[0]), "--base-url", server.url, "--episodes", "2",
+                              "--group-size", "2"], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert len([line for line in out.stdout.splitlines() if line.startswith("{")]) == 2
+        assert server.config.admin_key not in out.stdout + out.stderr
+    finally:
+        server.stop()
+    assert not list((tmp_path / "runtime").glob("gateway-*.json"))  # the note goes with the gateway

@@ -95,7 +95,7 @@ def test_interaction_export_with_turn_discount(tok):
 
 
 def test_idle_sessions_end_on_their_own(tok):
-    gw = GatewayServer(scripted_engine(tok, calculator_replies), tok, idle_timeout_s=0.3, reap_interval_s=0.05).start()
+    gw = GatewayServer(scripted_engine(tok, calculator_replies), tok, idle_timeout_s=1.5, reap_interval_s=0.05).start()
     try:
         s = gw.start_session()
         chat(gw, s["api_key"])

@@ -178,13 +178,28 @@ def test_a_template_that_rejects_the_conversation_is_a_400_naming_messages():
     assert err.value.status == 400 and err.value.param == "messages" and "no system role" in err.value.message
 
 
-def test_the_development_admin_key_only_serves_loopback():
-    from services.rollout.gateway import GatewayConfig, serve_gateway
-    from services.rollout.gateway.config import DEV_ADMIN_KEY
+def test_there_is_no_public_admin_key_one_is_generated_0600_and_kept(tmp_path, monkeypatch):
+    from services.rollout.gateway import GatewayConfig
+    from services.rollout.gateway.config import PUBLIC_DEV_KEY, ensure_admin_key
 
-    config = GatewayConfig(host="0.0.0.0", admin_key=DEV_ADMIN_KEY)
-    with pytest.raises(ValueError, match="MESHRL_ADMIN_KEY"):
-        asyncio.run(serve_gateway(None, config, asyncio.Event()))
+    monkeypatch.delenv("MESHRL_ADMIN_KEY", raising=False)
+    monkeypatch.delenv("MESHRL_ADMIN_KEY_FILE", raising=False)
+    with pytest.raises(ValueError, match="admin_key"):
+        GatewayConfig(admin_key=PUBLIC_DEV_KEY)
+    with pytest.raises(ValueError, match="admin_key"):
+        GatewayConfig(admin_key="short")
+    config = GatewayConfig()
+    assert config.admin_key == ""
+    path = ensure_admin_key(config, tmp_path)
+    assert path == tmp_path / "secrets" / "gateway_admin_key" and path.stat().st_mode & 0o777 == 0o600
+    assert len(config.admin_key) >= 40 and path.read_text().strip() == config.admin_key
+    again = GatewayConfig()
+    assert ensure_admin_key(again, tmp_path) == path and again.admin_key == config.admin_key  # a restart keeps it
+    other = GatewayConfig()
+    ensure_admin_key(other, tmp_path / "other-run")
+    assert other.admin_key != config.admin_key
+    given = GatewayConfig(admin_key="an-operator-chosen-key")
+    assert ensure_admin_key(given, tmp_path / "third") is None and not (tmp_path / "third").exists()
 
 
 def test_the_direct_tokenizer_path_gives_the_wrapper_s_ids_and_text_or_is_not_taken():

@@ -30,6 +30,17 @@ def reference_answer(task: Mapping[str, Any]) -> str:
     return str(answer)
 
 
+EXTRACTS = ("last_number", "tag", "all")
+
+
+def check_task(task: Mapping[str, Any]) -> None:
+    """ValueError naming the field when no verifier could score against `task` (checked before any work)."""
+    reference_answer(task)
+    how = str(task.get("extract", "all"))
+    if how not in EXTRACTS:
+        raise ValueError(f"metadata.extract: unknown {how!r} (known: {', '.join(EXTRACTS)})")
+
+
 def extract(response: str, how: str) -> str | None:
     """Pull the final answer out of a response: "last_number", "tag" (<answer>..</answer>) or "all"."""
     if how == "last_number":

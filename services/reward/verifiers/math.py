@@ -11,7 +11,11 @@ from services.reward.verifiers.base import Verdict, extract, reference_answer
 
 
 class MathVerifier:
+    """Symbolic checks can run for unbounded time on adversarial input: the reward service runs this verifier in
+    worker processes with a deadline (`isolated`; see pool.py)."""
+
     name = "math"
+    isolated = True
 
     def score(self, response: str, task: Mapping[str, Any]) -> Verdict:
         gold = reference_answer(task)

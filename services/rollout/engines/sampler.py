@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import torch
 
+from services.rollout.engines.sequence import MIN_TEMPERATURE
+
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
            generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V]; per-row temperature / top_p / top_k [B]. Returns (tokens [B], logprobs [B]).
 
     The log-prob is taken under softmax(logits / T) before top-k / top-p truncation (T = 1 for greedy
-    rows), which is the distribution the trainer recomputes.
+    rows), which is the distribution the trainer recomputes. A temperature in (0, MIN_TEMPERATURE) samples as at
+    MIN_TEMPERATURE: dividing by a smaller one overflows float32 and would poison the whole batch.
     """
     logits = logits.float()
     greedy = temperature <= 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)
+    safe = torch.where(greedy, torch.ones_like(temperature), temperature.clamp(min=MIN_TEMPERATURE))
+    scaled = logits / safe.unsqueeze(-1)
     logprobs_all = torch.log_softmax(scaled, dim=-1)
     filtered = _top_k_top_p(scaled, top_p, top_k)
     probs = torch.softmax(filtered, dim=-1)

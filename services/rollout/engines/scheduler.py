@@ -9,6 +9,7 @@ admitted when a quarter of the slots are free (fewer, larger prefills), priority
 
 `abort(seq)` withdraws one sequence: a waiting one leaves its queue at once; a running one keeps its row
 until the next `postprocess`, which finishes it with reason "abort" and appends nothing more to it.
+A model step that fails ends only the rows it fails on (`fail_rows`, reason "error"); the others go on.
 """
 
 from __future__ import annotations
@@ -126,6 +127,19 @@ class Scheduler:
         if len(seq.output_ids) >= seq.sampling.max_new_tokens or len(seq.context) >= self.max_context:
             return "length"
         return ""
+
+    def fail_rows(self, bad: list[Sequence]) -> list[Sequence]:
+        """A model step failed because of these rows: end them with "error"; the other running rows stay and the
+        next step rebuilds the KV cache without them. Returns the sequences ended."""
+        ended = []
+        for seq in bad:
+            if seq.status is Status.RUNNING:
+                self.aborting.discard(seq)
+                self._end(seq, "error")
+                ended.append(seq)
+        self.batch = self.running
+        self.stale = True
+        return ended
 
     def fail_batch(self) -> list[Sequence]:
         """The model step failed: end the running rows with "abort" (waiting work stays) and start afresh."""

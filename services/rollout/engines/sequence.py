@@ -5,13 +5,26 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
+import math
 from collections.abc import Callable
 
 _ids = itertools.count()
 
 
+# The documented ranges of every sampling parameter, at every edge (gateway, Generate RPC, prompt work). A
+# temperature above 0 but below MIN_TEMPERATURE samples as at MIN_TEMPERATURE (numerically safe, still ~greedy).
+MAX_TEMPERATURE = 10.0
+MIN_TEMPERATURE = 1e-4
+MAX_TOP_K = 1 << 20
+MAX_NEW_TOKENS = 1 << 20
+MAX_STOP_TOKEN_IDS = 64
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Sampling:
+    """temperature in [0, 10] (0: greedy), top_p in (0, 1], top_k in [0, 2^20] (0: off), max_new_tokens in
+    [1, 2^20] (an engine also caps it at its context), at most 64 stop token ids, each >= 0. All finite."""
+
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -19,14 +32,26 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        if not _real(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature: must be a finite number in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
+        if not _real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k: must be >= 0, got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+        if not _integer(self.top_k) or not 0 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k: must be an integer in [0, {MAX_TOP_K}], got {self.top_k}")
+        if not _integer(self.max_new_tokens) or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise ValueError(f"max_new_tokens: must be an integer in [1, {MAX_NEW_TOKENS}], got {self.max_new_tokens}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}, got {len(self.stop_token_ids)}")
+        if not all(_integer(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids: must be token ids >= 0")
+
+
+def _real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class Status(enum.Enum):

@@ -6,6 +6,12 @@ and call `resume(version)`; the next step rebuilds the KV cache under the new we
 later token carries the new version, while earlier tokens keep theirs. `abort(seq)` stops one sequence
 (a client went away, a stop string ended it): it frees its slot, and its callback fires once, with
 finish_reason "abort".
+
+Every request is checked before it is admitted (`check`: token ids in [0, vocab_size), a prompt that fits
+the context, sampling parameters in their documented ranges), so a bad request is refused on its own instead
+of failing a model step that other requests share. Should a step still fail, each running row is run alone
+to find the rows it fails on: only those end (finish_reason "error"); the others keep the token their own
+run sampled and go on.
 """
 
 from __future__ import annotations
@@ -19,8 +25,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from services.common.logging import get_logger
 from services.rollout.engines.runner import ModelRunner
-from services.rollout.engines.scheduler import Scheduler
+from services.rollout.engines.scheduler import Scheduler, Step
 from services.rollout.engines.sequence import Sampling, Sequence, Status
+
+MAX_SAMPLES = 1024  # samples of one prompt per call (Generate.n, PromptWork.group_size)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -50,6 +58,8 @@ class EngineStats:
     weight_updates: int = 0
     interrupted_sequences: int = 0
     sequences_aborted: int = 0
+    sequences_failed: int = 0   # ended with "error": a model step failed on them
+    steps_failed: int = 0
     steps: int = 0
 
 
@@ -59,6 +69,7 @@ class EmbeddedEngine:
         self.model = model
         self.version = version
         self.scheduler = Scheduler(max_batch=max_batch, eos_token_id=eos_token_id, max_context=max_context)
+        self.vocab_size = _vocab_size(model)
         self.runner = ModelRunner(model, pad_token_id=pad_token_id, seed=seed)
         self.stats = EngineStats()
         self._cv = threading.Condition()
@@ -89,7 +100,29 @@ class EmbeddedEngine:
         return dict(self.model.named_parameters())
 
     # submission ----------------------------------------------------------------------------------------
+    @property
+    def max_context(self) -> int:
+        return self.scheduler.max_context
+
+    def check(self, prompt_ids: list[int], sampling: Sampling, n: int = 1) -> None:
+        """ValueError naming the field when a request cannot run here; nothing is admitted before this passed."""
+        if not isinstance(sampling, Sampling):
+            raise ValueError(f"sampling: expected Sampling, got {type(sampling).__name__}")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLES:
+            raise ValueError(f"n: must be an integer in [1, {MAX_SAMPLES}], got {n!r}")
+        if not prompt_ids:
+            raise ValueError("prompt_ids: empty")
+        limit = self.scheduler.max_context
+        if len(prompt_ids) >= limit:
+            raise ValueError(f"prompt_ids: {len(prompt_ids)} tokens, the engine holds at most {limit - 1}")
+        check_token_ids(prompt_ids, self.vocab_size, "prompt_ids")
+        check_token_ids(sampling.stop_token_ids, self.vocab_size, "stop_token_ids", allow_empty=True)
+        if sampling.max_new_tokens > limit:
+            raise ValueError(f"max_new_tokens: must be <= the engine's context {limit}, got {sampling.max_new_tokens}")
+
     def submit(self, prompt_ids: list[int], sampling: Sampling, on_finish, *, priority: bool = False) -> Sequence:
+        """Admit one sequence (after `check`: ValueError naming the field when it cannot run)."""
+        self.check(prompt_ids, sampling)
         seq = Sequence(prompt_ids=list(prompt_ids), sampling=sampling, on_finish=on_finish, priority=priority)
         with self._cv:
             if self._stopped:
@@ -113,7 +146,8 @@ class EmbeddedEngine:
             self._finish(seq)
 
     async def generate(self, prompt_ids: list[int], sampling: Sampling, n: int = 1) -> list[Sequence]:
-        """Submit n samples of one prompt and wait for all of them."""
+        """Submit n samples of one prompt and wait for all of them (all checked before any is admitted)."""
+        self.check(prompt_ids, sampling, n)
         loop = asyncio.get_running_loop()
         futures = []
         for _ in range(n):
@@ -168,12 +202,7 @@ class EmbeddedEngine:
                 tokens, logprobs = self.runner.run(step)
             except Exception:  # a failed step must not take the engine down with every caller waiting on it
                 get_logger().exception("engine_step_failed", rows=len(rows), prefill=step.prefill)
-                self.runner.drop_cache()
-                with self._cv:
-                    failed = self.scheduler.fail_batch()
-                    self._count(failed)
-                for seq in failed:
-                    self._finish(seq)
+                self._recover(rows, version)
                 continue
             with self._cv:
                 active = sum(s.status is Status.RUNNING and s not in self.scheduler.aborting for s in rows)
@@ -183,6 +212,37 @@ class EmbeddedEngine:
                 self._count(done)
             for seq in done:
                 self._finish(seq)
+
+    def _recover(self, rows: list[Sequence], version: int) -> None:
+        """After a failed step: run each running row alone. The rows that fail alone end with "error"; the others
+        take the token their own run sampled (the step's token for them) and the next step rebuilds the cache."""
+        self.runner.drop_cache()
+        good: list[Sequence] = []
+        bad: list[Sequence] = []
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        for seq in [s for s in rows if s.status is Status.RUNNING]:
+            try:
+                token, logprob = self.runner.run(Step([seq], prefill=True))
+            except Exception as exc:  # noqa: BLE001 - whatever the model raises on this row, only this row ends
+                get_logger().warning("engine_row_failed", seq_id=seq.seq_id, prompt_tokens=len(seq.prompt_ids),
+                                     error=f"{type(exc).__name__}: {exc}")
+                bad.append(seq)
+                continue
+            good.append(seq)
+            tokens.append(token[0])
+            logprobs.append(logprob[0])
+        self.runner.drop_cache()
+        with self._cv:
+            failed = self.scheduler.fail_rows(bad)
+            active = sum(s.status is Status.RUNNING and s not in self.scheduler.aborting for s in good)
+            done = self.scheduler.postprocess(good, tokens, logprobs, version)
+            self.stats.steps_failed += 1
+            self.stats.sequences_failed += len(failed)
+            self.stats.tokens_generated += active
+            self._count(failed + done)
+        for seq in failed + done:
+            self._finish(seq)
 
     def _count(self, done: list[Sequence]) -> None:  # under the lock
         self.stats.sequences_finished += len(done)
@@ -198,3 +258,26 @@ def _resolve(fut: asyncio.Future, seq: Sequence) -> None:
         fut.set_result(seq)
 
 
+def check_token_ids(ids, vocab_size: int | None, field: str, *, allow_empty: bool = False) -> None:
+    """ValueError naming `field` unless every id is an integer in [0, vocab_size)."""
+    if not ids:
+        if allow_empty:
+            return
+        raise ValueError(f"{field}: empty")
+    if not all(type(t) is int for t in ids):
+        raise ValueError(f"{field}: token ids must be integers")
+    low, high = min(ids), max(ids)
+    if low < 0 or (vocab_size is not None and high >= vocab_size):
+        bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+        bad = low if low < 0 else high
+        raise ValueError(f"{field}: token id {bad} is outside the vocabulary {bound}")
+
+
+def _vocab_size(model) -> int | None:
+    """Rows of the input embedding: the ids the model can take (None when the model does not tell)."""
+    try:
+        return int(model.get_input_embeddings().num_embeddings)
+    except (AttributeError, NotImplementedError, TypeError):
+        pass
+    size = getattr(model, "vocab_size", None) or getattr(getattr(model, "config", None), "vocab_size", None)
+    return int(size) if size else None

@@ -140,7 +140,7 @@ def _tool_choice(value, tools: list[Tool]) -> ToolChoice:
         return ToolChoice("required")
     if kind == "tool":
         name = value.get("name")
-        if name not in {t.name for t in tools}:
+        if not isinstance(name, str) or name not in {t.name for t in tools}:
             raise bad_request("tool_choice.name", f"{name!r} is not one of the tools")
         return ToolChoice("function", name)
     raise bad_request("tool_choice.type", f"expected auto, any, tool or none; got {kind!r}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -16,7 +17,7 @@ from services.common.contracts import data_pb2
 from services.common.logging import get_logger
 from services.rollout.gateway import lifecycle
 from services.rollout.gateway.budget import GroupBudget
-from services.rollout.gateway.config import GatewayConfig
+from services.rollout.gateway.config import GatewayConfig, ensure_admin_key
 from services.rollout.gateway.core import Gateway
 from services.rollout.gateway.errors import ApiError
 from services.rollout.gateway.http import error_response
@@ -25,7 +26,14 @@ from services.rollout.gateway.routes_rl import add_rl_routes
 
 
 def create_app(config: GatewayConfig, engine: Any, tokenizer: Any,
-               publish: Callable[[data_pb2.Trajectory], Awaitable[None]], budget: GroupBudget | None = None) -> Starlette:
+               publish: Callable[[data_pb2.Trajectory], Awaitable[None]], budget: GroupBudget | None = None, *,
+               run_dir: str | os.PathLike | None = None) -> Starlette:
+    """The gateway's app. Without a configured admin key, the key comes from (or is generated into, 0600) the key
+    file under `run_dir` (see config.py); its path is logged once, the key never."""
+    key_file = ensure_admin_key(config, run_dir)
+    if key_file is not None:
+        get_logger().info("gateway_admin_key", admin_key_file=str(key_file),
+                          hint="send it as 'Authorization: Bearer <the file's content>' to /rl/start_session")
     gateway = Gateway(config, engine, tokenizer, publish, budget)
 
     @contextlib.asynccontextmanager
@@ -55,6 +63,7 @@ def create_app(config: GatewayConfig, engine: Any, tokenizer: Any,
     app = Starlette(lifespan=lifespan, exception_handlers={ApiError: api_error, HTTPException: http_error,
                                                            Exception: unexpected})
     app.state.gateway = gateway
+    app.state.admin_key_file = key_file
     add_model_routes(app, gateway)
     add_rl_routes(app, gateway)
     return app

@@ -9,6 +9,7 @@ import uuid
 from typing import Any
 
 from services.common.contracts import data_pb2
+from services.common.ids import now
 from services.common.logging import get_logger
 from services.rollout.engines.sequence import Sampling
 from services.rollout.gateway import metrics
@@ -16,9 +17,10 @@ from services.rollout.gateway.backend import EngineBackend, Sampled
 from services.rollout.gateway.budget import GroupBudget
 from services.rollout.gateway.chat_format import ChatFormat
 from services.rollout.gateway.config import GatewayConfig
-from services.rollout.gateway.dedupe import ReplayCache
+from services.rollout.gateway.dedupe import IdempotencyCache, ReplayCache
 from services.rollout.gateway.errors import ApiError, bad_request
 from services.rollout.gateway.messages import GenRequest
+from services.rollout.gateway.offload import Offload
 from services.rollout.gateway.outbox import Outbox, Publish
 from services.rollout.gateway.outputs import ChoiceDecoder
 from services.rollout.gateway.runs import Completion, LiveRun, ReplayRun, Run
@@ -52,9 +54,14 @@ class Gateway:
                                      poll_s=config.poll_interval_s, retry_after_s=config.retry_after_s)
         self.max_context = config.max_context or self.backend.max_context or \
             min(int(getattr(tokenizer, "model_max_length", 4096)), 32768)
+        self.vocab_size: int | None = getattr(engine, "vocab_size", None) or len(tokenizer)
         self.sessions = SessionStore(config.max_sessions)
-        self.replays = ReplayCache(config.replay_ttl_s)
-        self.outbox = Outbox(publish)
+        self.replays = ReplayCache(config.replay_ttl_s, config.replay_max_entries)
+        self.idempotency = IdempotencyCache(config.idempotency_ttl_s, config.idempotency_max_entries)
+        self.outbox = Outbox(publish, max_pending=config.max_pending_publish)
+        self.offload = Offload(workers=config.heavy_concurrency, queue=config.heavy_queue,
+                               threshold=config.offload_bytes, retry_after_s=config.retry_after_s)
+        self.recorded_tokens = 0   # prompt + completion ids held by active sessions' interactions
         self.inflight = 0
         self.requests = 0
         self.replayed = 0
@@ -78,13 +85,34 @@ class Gateway:
                                 "gateway restart); start a new episode with POST /rl/start_session")
         if not session.active:
             raise ApiError(409, f"session {session.id} has ended ({session.end_reason}); start a new one with /rl/start_session")
+        if session.ending is not None:
+            raise ApiError(409, f"session {session.id} is ending; start a new one with /rl/start_session")
+        session.last_active = now()  # a request arrived: not idle (the reaper must not end it under this call)
         return Caller(session)
+
+    def check_room(self, session: Session | None, n: int = 1) -> None:
+        """429 when the gateway or the session cannot take another call (every queue and record is bounded)."""
+        cfg = self.config
+        if self.inflight >= cfg.max_inflight:
+            raise _busy(f"{self.inflight} requests are in flight; the gateway serves at most {cfg.max_inflight} at once")
+        if session is None:
+            return
+        if len(session.interactions) + n > cfg.max_session_interactions:
+            raise _busy(f"session {session.id} has recorded {len(session.interactions)} calls, the most one session "
+                        f"holds is {cfg.max_session_interactions}; end it and start a new one", retry=False)
+        if session.tokens >= cfg.max_session_tokens:
+            raise _busy(f"session {session.id} has recorded {session.tokens} tokens, the most one session holds is "
+                        f"{cfg.max_session_tokens}; end it and start a new one", retry=False)
+        if self.recorded_tokens >= cfg.max_recorded_tokens:
+            raise _busy(f"active sessions hold {self.recorded_tokens} recorded tokens, the gateway's limit; "
+                        "retry once sessions have ended")
 
     # generation -----------------------------------------------------------------------------------------
     async def run(self, req: GenRequest, caller: Caller, replay: ReplayKey | None = None) -> Run:
         """Admit, build the prompt, submit. Raises ApiError before anything streams; records on completion."""
         session = caller.session
         self.requests += 1
+        self.check_room(session, req.n)
         token = None
         if session is not None and replay is not None:
             first = self.replays.lookup(session.id, replay.key) if replay.is_retry else None
@@ -97,8 +125,9 @@ class Gateway:
             session.inflight += 1
         try:
             await self._admit(session)
-            prompt = self._prompt(req, session)
+            prompt = await self.offload.run(req.body_bytes, lambda: self._prompt(req, session))
             sampling = self._sampling(req, len(prompt.ids))
+            self._check_engine(prompt.ids, sampling, req.n)
             return self._launch(req, session, prompt, sampling, replay, token)
         except BaseException as exc:
             self._done(session, replay, token)
@@ -147,6 +176,18 @@ class Gateway:
                        poll_s=self.config.stream_interval_s, timeout_s=self.config.request_timeout_s,
                        finalize=finalize, on_exit=lambda: self._done(session, replay, token))
 
+    def _check_engine(self, ids: list[int], sampling: Sampling, n: int) -> None:
+        """What the engine would refuse, refused here as a 400 before anything is submitted."""
+        check = getattr(self.backend.engine, "check", None)
+        if check is None:
+            return
+        try:
+            check(ids, sampling, n)
+        except ValueError as exc:
+            field, _, problem = str(exc).partition(": ")
+            field = {"prompt_ids": "prompt", "max_new_tokens": "max_tokens"}.get(field, field)
+            raise bad_request(field, problem or str(exc)) from exc
+
     def _done(self, session: Session | None, replay: ReplayKey | None, token) -> None:
         self.inflight -= 1
         if session is not None:
@@ -164,6 +205,8 @@ class Gateway:
         if req.previous_response_id:
             req.messages = self._continue_response(req, session)
         if req.api == "completions":
+            if isinstance(req.prompt, list) and self.vocab_size is not None and max(req.prompt) >= self.vocab_size:
+                raise bad_request("prompt", f"token id {max(req.prompt)} is outside the vocabulary [0, {self.vocab_size})")
             prompt = completion_prompt(self.fmt, req.prompt, session)
             field = "prompt"
         else:
@@ -191,6 +234,7 @@ class Gateway:
             get_logger().warning("gateway_interaction_after_end", session_id=session.id, interaction_id=completion.id)
             return
         prompt, chat = completion.prompt, req.messages is not None
+        before = session.tokens
         for choice in completion.choices:
             response = choice.message() if chat else None
             session.add(Interaction(
@@ -203,10 +247,18 @@ class Gateway:
                 transcript_key=transcript_key(tuple(req.messages), response, req.tools) if chat else None,
                 sampling={"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
                           "reused_prompt_tokens": prompt.reused}))
+        self.recorded_tokens += session.tokens - before
 
     # export -----------------------------------------------------------------------------------------------
     def enqueue(self, trajectories: list[data_pb2.Trajectory]):
         return self.outbox.put(trajectories)
+
+
+def _busy(message: str, *, retry: bool = True) -> ApiError:
+    headers = {"retry-after": "1", "retry-after-ms": "1000"}
+    if not retry:
+        headers["x-should-retry"] = "false"  # the session is full: only a new session helps
+    return ApiError(429, message, code="rate_limit_exceeded", headers=headers)
 
 
 def _gauge(capacity: int | None) -> float:
@@ -229,4 +281,6 @@ def _finish_reason(s: Sampled) -> str:
     reason = s.result().finish_reason
     if reason == "abort":
         raise ApiError(503, "the engine stopped before the generation finished")
+    if reason == "error":
+        raise ApiError(500, "the model failed on this request (its other requests were not affected)")
     return reason

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -34,10 +35,10 @@ def api_key(request: Request) -> str | None:
     return request.headers.get("x-api-key") or None
 
 
-async def read_json(request: Request, limit: int, *, allow_empty: bool = False) -> tuple[dict, bytes]:
-    """The body as a JSON object; 413 past `limit` bytes (checked while reading, not only by Content-Length)."""
-    length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > limit:
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body; 413 past `limit` bytes (checked while reading, not only by Content-Length)."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
         raise ApiError(413, f"request body is {length} bytes; the limit is {limit}", param="body", code="request_too_large")
     chunks, size = [], 0
     async for chunk in request.stream():
@@ -45,18 +46,59 @@ async def read_json(request: Request, limit: int, *, allow_empty: bool = False) 
         if size > limit:
             raise ApiError(413, f"request body exceeds the limit of {limit} bytes", param="body", code="request_too_large")
         chunks.append(chunk)
-    raw = b"".join(chunks)
+    return b"".join(chunks)
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def load_json(raw: bytes, *, max_depth: int = 64, allow_empty: bool = False) -> dict:
+    """A JSON object: 400 naming the body for invalid JSON or UTF-8, nesting deeper than `max_depth`, lone UTF-16
+    surrogates or anything but an object (never a 500, whatever the bytes)."""
     if not raw.strip():
         if allow_empty:
-            return {}, raw
+            return {}
         raise bad_request("body", "expected a JSON object, got an empty body")
     try:
-        body = json.loads(raw)
+        body = json.loads(raw.decode("utf-8"))  # NaN / Infinity parse: the field that gets one refuses it by name
+    except RecursionError as exc:
+        raise ApiError(400, f"body: JSON nested deeper than {max_depth} levels", param="body", code="invalid_json") from exc
     except ValueError as exc:
         raise ApiError(400, f"body: invalid JSON ({exc})", param="body", code="invalid_json") from exc
     if not isinstance(body, dict):
         raise bad_request("body", "expected a JSON object")
-    return body, raw
+    _check_tree(body, max_depth, strings=_SURROGATE_ESCAPE.search(raw) is not None)
+    return body
+
+
+def _check_tree(body: dict, max_depth: int, *, strings: bool) -> None:
+    stack: list[tuple[object, int]] = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > max_depth:
+            raise ApiError(400, f"body: JSON nested deeper than {max_depth} levels", param="body", code="invalid_json")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if strings and isinstance(key, str):
+                _text(key)
+            if isinstance(item, dict | list):
+                stack.append((item, depth + 1))
+            elif strings and isinstance(item, str):
+                _text(item)
+
+
+def _text(value: str) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(400, "body: a string holds a lone UTF-16 surrogate (not valid Unicode text)", param="body",
+                       code="invalid_json") from exc
+
+
+async def read_json(request: Request, limit: int, *, allow_empty: bool = False, max_depth: int = 64) -> tuple[dict, bytes]:
+    """The body as a JSON object (parsed on the loop: callers with large bodies use `load_json` off it)."""
+    raw = await read_body(request, limit)
+    return load_json(raw, max_depth=max_depth, allow_empty=allow_empty), raw
 
 
 def replay_key(request: Request, raw: bytes) -> ReplayKey:

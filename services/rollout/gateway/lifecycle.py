@@ -49,29 +49,52 @@ def set_reward(session: Session, reward: float, interaction_id: str | None) -> d
     return {"session_id": session.id, "interaction_ids": [t.id for t in targets], "reward": reward}
 
 
-async def end_session(gw: Gateway, session: Session, *, reason: str = "ended") -> dict:
-    """Idempotent: the first call exports; later calls report the same result."""
+async def end_session(gw: Gateway, session: Session, *, reason: str = "ended", force: bool = False) -> dict:
+    """Idempotent and safe under concurrency: the first call exports; calls racing it wait for the same end, later
+    ones report its result. 429 (the session stays active) while the outbox is full, unless `force` (shutdown)."""
     if session.active:
-        await _drain(gw, session)
-        if session.interactions and all(i.reward is None for i in session.interactions):
-            session.interactions[-1].reward = 0.0
-        session.transition(SessionState.ENDED, reason)
-        trajectories = export_session(session, mode=gw.config.export_mode, gamma=gw.config.turn_discount)
-        session.exported = len(trajectories)
-        own = sum(t.group_id == session.group_id for t in trajectories)
-        gw.budget.end(session.group_id, session.group_size, exported=own > 0, extra=len(trajectories) - own)
-        session.release()
-        gw.replays.forget_session(session.id)
-        metrics.SESSIONS.labels(reason).inc()
-        metrics.TRAJECTORIES.inc(len(trajectories))
-        session.exports = gw.enqueue(trajectories)
-        if session.exports:
-            await asyncio.wait(session.exports, timeout=gw.config.publish_timeout_s)
-        get_logger().info("gateway_session_ended", session_id=session.id, reason=reason,
-                          interactions=session.interaction_count, trajectory_ids=[t.trajectory_id for t in trajectories])
+        if session.ending is None:
+            session.ending = asyncio.ensure_future(_end(gw, session, reason, force))
+        ending = session.ending
+        try:
+            await asyncio.shield(ending)
+        except BaseException:
+            if session.ending is ending and ending.done():
+                session.ending = None  # it failed before the session changed: a later call tries again
+            raise
     return {"session_id": session.id, "state": session.state.value, "end_reason": session.end_reason,
             "interaction_count": session.interaction_count, "trajectories": session.exported,
             "published": all(f.done() for f in session.exports)}
+
+
+async def _end(gw: Gateway, session: Session, reason: str, force: bool) -> None:
+    await _drain(gw, session)
+    defaulted = bool(session.interactions) and all(i.reward is None for i in session.interactions)
+    if defaulted:
+        session.interactions[-1].reward = 0.0
+    session.end_reason = reason  # the export's metadata carries it
+    trajectories = export_session(session, mode=gw.config.export_mode, gamma=gw.config.turn_discount)
+    if not force and not gw.outbox.has_room(len(trajectories)):
+        session.end_reason = ""
+        if defaulted:
+            session.interactions[-1].reward = None
+        raise ApiError(429, f"{gw.outbox.pending} trajectories are waiting for the bus (the most the gateway holds "
+                            f"is {gw.outbox.max_pending}); the session stays active: end it again later",
+                       code="rate_limit_exceeded", headers={"retry-after": "5", "retry-after-ms": "5000"})
+    session.transition(SessionState.ENDED, reason)
+    session.exported = len(trajectories)
+    own = sum(t.group_id == session.group_id for t in trajectories)
+    gw.budget.end(session.group_id, session.group_size, exported=own > 0, extra=len(trajectories) - own)
+    gw.recorded_tokens -= session.tokens
+    session.release()
+    gw.replays.forget_session(session.id)
+    metrics.SESSIONS.labels(reason).inc()
+    metrics.TRAJECTORIES.inc(len(trajectories))
+    session.exports = gw.enqueue(trajectories)
+    if session.exports:
+        await asyncio.wait(session.exports, timeout=gw.config.publish_timeout_s)
+    get_logger().info("gateway_session_ended", session_id=session.id, reason=reason,
+                      interactions=session.interaction_count, trajectory_ids=[t.trajectory_id for t in trajectories])
 
 
 async def _drain(gw: Gateway, session: Session) -> None:
@@ -90,12 +113,20 @@ async def reap(gw: Gateway, stop: asyncio.Event) -> None:
             pass
         for session in gw.sessions.idle(now() - gw.config.idle_timeout_s):
             if session.inflight == 0:
-                await end_session(gw, session, reason="idle")
+                try:
+                    await end_session(gw, session, reason="idle")
+                except ApiError as exc:  # the outbox is full: the next round tries again
+                    get_logger().warning("gateway_reap_deferred", session_id=session.id, error=exc.message)
+                    break
         gw.sessions.prune(now() - gw.config.ended_ttl_s)
 
 
 async def shutdown(gw: Gateway) -> None:
     """End every active session (exported with the rewards set so far), then flush the outbox."""
     for session in gw.sessions.active:
-        await end_session(gw, session, reason="shutdown")
+        try:
+            await end_session(gw, session, reason="shutdown", force=True)
+        except ApiError:  # it shared an end that found the outbox full: end it again, forced
+            await end_session(gw, session, reason="shutdown", force=True)
     await gw.outbox.close(gw.config.publish_timeout_s)
+    gw.offload.close()

@@ -19,7 +19,7 @@ class ToolCall:
         """The parsed arguments (the text itself when it is not JSON)."""
         try:
             return json.loads(self.arguments)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, RecursionError):
             return self.arguments
 
 
@@ -76,6 +76,7 @@ class GenRequest:
     previous_response_id: str | None = None         # /v1/responses
     template_kwargs: dict = dataclasses.field(default_factory=dict)
     echo_request: dict = dataclasses.field(default_factory=dict)  # request fields echoed in the response
+    body_bytes: int = 0                             # the request body's size: large ones are rendered off the loop
 
     @property
     def parses_tools(self) -> bool:
@@ -85,5 +86,5 @@ class GenRequest:
 def _canonical_json(text: str) -> str:
     try:
         return json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         return text.strip() if isinstance(text, str) else repr(text)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 
 from services.rollout.gateway import fields as f
+from services.rollout.gateway.config import TEMPLATE_KWARGS
 from services.rollout.gateway.errors import bad_request, unsupported
 from services.rollout.gateway.messages import GenRequest, Message, Tool, ToolCall, ToolChoice
 
@@ -48,7 +50,7 @@ def reject_unhonourable(body: dict) -> None:
         f.reject_if(body, key, lambda v: False, f"{key} is not supported")
 
 
-def parse_chat(body: dict, *, max_n: int, strict: bool) -> GenRequest:
+def parse_chat(body: dict, *, max_n: int, strict: bool, template_kwargs: Collection[str] = TEMPLATE_KWARGS) -> GenRequest:
     f.check_keys(body, _CHAT_KNOWN, _COMMON_IGNORED | {"functions", "function_call", "audio", "prediction",
                                                        "web_search_options", "reasoning"}, strict=strict)
     reject_unhonourable(body)
@@ -61,9 +63,23 @@ def parse_chat(body: dict, *, max_n: int, strict: bool) -> GenRequest:
     req.logprobs = f.boolean(body, "logprobs")
     req.tools = parse_tools(body.get("tools"))
     req.tool_choice = parse_tool_choice(body.get("tool_choice"), req.tools)
-    kwargs = body.get("chat_template_kwargs")
-    req.template_kwargs = dict(f.obj(kwargs, "chat_template_kwargs")) if kwargs is not None else {}
+    req.template_kwargs = parse_template_kwargs(body.get("chat_template_kwargs"), template_kwargs)
     return req
+
+
+def parse_template_kwargs(value, allowed: Collection[str]) -> dict:
+    """Only the documented switches of the model's template (e.g. enable_thinking), each a boolean; a template or
+    anything that changes how it is applied is never taken from a request."""
+    if value is None:
+        return {}
+    value = f.obj(value, "chat_template_kwargs")
+    for key, item in value.items():
+        if key not in allowed:
+            known = ", ".join(sorted(allowed)) or "none"
+            raise unsupported(f"chat_template_kwargs.{key}", f"is not an accepted template option (accepted: {known})")
+        if not isinstance(item, bool):
+            raise bad_request(f"chat_template_kwargs.{key}", "expected true or false")
+    return dict(value)
 
 
 def parse_completions(body: dict, *, max_n: int, strict: bool) -> GenRequest:

@@ -1,4 +1,8 @@
-"""Exported trajectories waiting to be published; publishing retries until it succeeds (ids make it idempotent)."""
+"""Exported trajectories waiting to be published; publishing retries until it succeeds (ids make it idempotent).
+
+At most `max_pending` wait (the bus may be down for long): `has_room` tells the caller before it exports, so an
+end_session that finds the outbox full is refused (429) with its session left as it was, never dropped.
+"""
 
 from __future__ import annotations
 
@@ -13,27 +17,31 @@ Publish = Callable[[data_pb2.Trajectory], Awaitable[None]]
 
 
 class Outbox:
-    def __init__(self, publish: Publish, *, retry_s: float = 0.5, max_retry_s: float = 10.0) -> None:
+    def __init__(self, publish: Publish, *, retry_s: float = 0.5, max_retry_s: float = 10.0,
+                 max_pending: int = 65536) -> None:
         self._publish = publish
+        self.max_pending = max_pending
         self._retry_s = retry_s
         self._max_retry_s = max_retry_s
         self._queue: asyncio.Queue[tuple[data_pb2.Trajectory, asyncio.Future]] = asyncio.Queue()
         self._task: asyncio.Task | None = None
         self.published = 0
         self.failures = 0
-
-    @property
-    def pending(self) -> int:
-        return self._queue.qsize()
+        self.pending = 0  # queued or being published (retried), not yet published
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="gateway-outbox")
 
+    def has_room(self, n: int) -> bool:
+        return n == 0 or self.pending == 0 or self.pending + n <= self.max_pending
+
     def put(self, trajectories: list[data_pb2.Trajectory]) -> list[asyncio.Future]:
+        """Queue them (callers check `has_room` first; shutdown queues what is left regardless)."""
         futures = []
         for traj in trajectories:
             fut = asyncio.get_running_loop().create_future()
             self._queue.put_nowait((traj, fut))
+            self.pending += 1
             futures.append(fut)
         return futures
 
@@ -43,7 +51,7 @@ class Outbox:
             return self._queue.empty()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._queue.join(), timeout)
-        return self._queue.empty()
+        return self.pending == 0
 
     async def close(self, timeout: float) -> None:
         await self.flush(timeout)
@@ -70,6 +78,7 @@ class Outbox:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, self._max_retry_s)
             self.published += 1
+            self.pending -= 1
             if not fut.done():
                 fut.set_result(True)
             self._queue.task_done()

@@ -25,8 +25,7 @@ def parse_responses(body: dict, *, strict: bool) -> GenRequest:
     f.reject_if(body, "conversation", lambda v: False, "conversation objects are not supported; use previous_response_id")
     f.reject_if(body, "prompt", lambda v: False, "prompt templates are not supported")
     f.reject_if(body, "top_logprobs", lambda v: v == 0, "only 0 is supported")
-    f.reject_if(body, "text", lambda v: isinstance(v, dict) and v.get("format", {"type": "text"}).get("type") == "text",
-                "only text output is supported (no constrained decoding)")
+    f.reject_if(body, "text", _text_format, "only text output is supported (no constrained decoding)")
     req = GenRequest(api="responses", model=f.string(body, "model", allow_empty=False))
     req.temperature = f.number(body, "temperature", default=1.0, lo=0.0, hi=2.0)
     req.top_p = f.number(body, "top_p", default=1.0, lo=0.0, hi=1.0, lo_open=True)
@@ -44,6 +43,11 @@ def parse_responses(body: dict, *, strict: bool) -> GenRequest:
     req.echo_request["tools"] = [{"type": "function", "name": t.name, "description": t.description,
                                   "parameters": t.parameters, "strict": False} for t in req.tools]
     return req
+
+
+def _text_format(value) -> bool:
+    fmt = value.get("format", {"type": "text"}) if isinstance(value, dict) else None
+    return isinstance(fmt, dict) and fmt.get("type") == "text"
 
 
 def _items(value) -> list[Message]:

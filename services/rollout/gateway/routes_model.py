@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -13,7 +13,8 @@ from starlette.responses import Response, StreamingResponse
 from services.rollout.gateway import anthropic_api, openai_render, responses_api
 from services.rollout.gateway.core import Gateway
 from services.rollout.gateway.errors import ApiError, Dialect, error_body
-from services.rollout.gateway.http import SSE_HEADERS, api_key, json_response, read_json, replay_key
+from services.rollout.gateway.http import SSE_HEADERS, api_key, json_response, load_json, read_body, replay_key
+from services.rollout.gateway.messages import GenRequest
 from services.rollout.gateway.openai_parse import parse_chat, parse_completions
 from services.rollout.gateway.runs import Run
 from services.rollout.gateway.tokens import chat_prompt
@@ -51,10 +52,21 @@ def add_model_routes(app: Starlette, gw: Gateway) -> None:
     cfg = gw.config
     started = int(time.time())
 
+    async def parsed(request: Request, parse: Callable[[dict], GenRequest]) -> tuple[GenRequest, bytes]:
+        """Read the body (bounded), then parse it: on the loop when small, on a worker thread when large."""
+        raw = await read_body(request, cfg.max_body_bytes)
+
+        def work() -> GenRequest:
+            req = parse(load_json(raw, max_depth=cfg.max_json_depth))
+            req.body_bytes = len(raw)
+            return req
+
+        return await gw.offload.run(len(raw), work), raw
+
     async def chat_completions(request: Request) -> Response:
         caller = gw.caller(api_key(request))
-        body, raw = await read_json(request, cfg.max_body_bytes)
-        req = parse_chat(body, max_n=cfg.max_n, strict=cfg.reject_unknown_params)
+        req, raw = await parsed(request, lambda body: parse_chat(body, max_n=cfg.max_n, strict=cfg.reject_unknown_params,
+                                                                 template_kwargs=cfg.template_kwargs))
         run = await gw.run(req, caller, replay_key(request, raw))
         if req.stream:
             return sse(run, openai_render.chat_stream(run, req.n, req.model, gw.backend.version, gw.fmt,
@@ -63,8 +75,8 @@ def add_model_routes(app: Starlette, gw: Gateway) -> None:
 
     async def completions(request: Request) -> Response:
         caller = gw.caller(api_key(request))
-        body, raw = await read_json(request, cfg.max_body_bytes)
-        req = parse_completions(body, max_n=cfg.max_n, strict=cfg.reject_unknown_params)
+        req, raw = await parsed(request, lambda body: parse_completions(body, max_n=cfg.max_n,
+                                                                        strict=cfg.reject_unknown_params))
         run = await gw.run(req, caller, replay_key(request, raw))
         if req.stream:
             return sse(run, openai_render.completions_stream(run, req.model, gw.fmt, logprobs=req.logprobs,
@@ -73,8 +85,7 @@ def add_model_routes(app: Starlette, gw: Gateway) -> None:
 
     async def responses(request: Request) -> Response:
         caller = gw.caller(api_key(request))
-        body, raw = await read_json(request, cfg.max_body_bytes)
-        req = responses_api.parse_responses(body, strict=cfg.reject_unknown_params)
+        req, raw = await parsed(request, lambda body: responses_api.parse_responses(body, strict=cfg.reject_unknown_params))
         run = await gw.run(req, caller, replay_key(request, raw))
         if req.stream:
             return sse(run, responses_api.response_stream(req, run, req.model))
@@ -83,19 +94,29 @@ def add_model_routes(app: Starlette, gw: Gateway) -> None:
 
     async def messages(request: Request) -> Response:
         caller = gw.caller(api_key(request))
-        body, raw = await read_json(request, cfg.max_body_bytes)
-        req = anthropic_api.parse_messages(body, strict=cfg.reject_unknown_params)
+        req, raw = await parsed(request, lambda body: anthropic_api.parse_messages(body, strict=cfg.reject_unknown_params))
         run = await gw.run(req, caller, replay_key(request, raw))
         if req.stream:
             return sse(run, anthropic_api.message_stream(run, req.model), "anthropic")
         return json_response(anthropic_api.message_response(await run.finish()))
 
     async def count_tokens(request: Request) -> Response:
+        """Rendering and tokenizing cost what a generation's prompt does: admitted like one (the in-flight bound),
+        and always on the bounded worker threads (429 when they are backed up)."""
         caller = gw.caller(api_key(request))
-        body, _ = await read_json(request, cfg.max_body_bytes)
-        req = anthropic_api.parse_messages({"max_tokens": 1, **body}, strict=cfg.reject_unknown_params)
-        prompt = chat_prompt(gw.fmt, req.messages, req.tools, caller.session)
-        return json_response({"input_tokens": len(prompt.ids)})
+        raw = await read_body(request, cfg.max_body_bytes)
+        gw.check_room(None)
+
+        def work() -> int:
+            body = load_json(raw, max_depth=cfg.max_json_depth)
+            req = anthropic_api.parse_messages({"max_tokens": 1, **body}, strict=cfg.reject_unknown_params)
+            return len(chat_prompt(gw.fmt, req.messages, req.tools, caller.session).ids)
+
+        gw.inflight += 1
+        try:
+            return json_response({"input_tokens": await gw.offload.run(len(raw), work, always=True)})
+        finally:
+            gw.inflight -= 1
 
     def model_card() -> dict:
         return {"id": cfg.model_name, "object": "model", "created": started, "owned_by": "meshrl"}

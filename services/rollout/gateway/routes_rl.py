@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import time
+import asyncio
+import contextlib
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -11,11 +12,13 @@ from starlette.responses import Response
 from services.rollout.gateway import fields as f
 from services.rollout.gateway import lifecycle
 from services.rollout.gateway.core import Gateway
-from services.rollout.gateway.errors import ApiError
-from services.rollout.gateway.http import api_key, json_response, read_json
+from services.rollout.gateway.dedupe import IdempotencyCache
+from services.rollout.gateway.errors import ApiError, bad_request
+from services.rollout.gateway.http import api_key, json_response, load_json, read_body
 from services.rollout.gateway.session import Session
 
 _START_KEYS = frozenset({"task_id", "group_size", "api_key", "metadata"})
+MAX_NAME_CHARS = 1024
 
 
 # sessions live in the memory of the gateway replica that started them
@@ -25,7 +28,8 @@ GONE = ("; if the gateway restarted since the session started, the session is go
 
 def add_rl_routes(app: Starlette, gw: Gateway) -> None:
     cfg = gw.config
-    idempotent: dict[str, tuple[float, dict]] = {}
+    idempotent = gw.idempotency
+    fixed_keys = asyncio.Lock()  # restarts with a fixed api_key, one at a time (the old session ends first)
 
     def require_admin(request: Request) -> None:
         token = api_key(request)
@@ -34,48 +38,77 @@ def add_rl_routes(app: Starlette, gw: Gateway) -> None:
         if not gw.is_admin(token):
             raise ApiError(401, "this route needs the admin key")
 
-    def target_session(request: Request, body: dict) -> Session:
-        """A session key names its session (ended ones too); the admin key names one by session_id."""
+    def identify(request: Request) -> Session | None:
+        """Authenticate from the headers alone, before any body is read: a session key names its session (ended
+        ones too); None: the admin key (the body names the session)."""
         token = api_key(request)
         if not token:
             raise ApiError(401, "missing API key: send the session key as 'Authorization: Bearer <key>'")
         if gw.is_admin(token):
-            session_id = f.string(body, "session_id")
-            session = gw.sessions.by_id(session_id)
-            if session is None:
-                raise ApiError(404, f"session_id: {session_id!r} is not a known session{GONE}", param="session_id")
-            return session
+            return None
         session = gw.sessions.by_key(token)
         if session is None:
             raise ApiError(401, f"unknown API key: not a session key of this gateway{GONE}")
         return session
 
+    def named_session(body: dict) -> Session:
+        session_id = f.string(body, "session_id")
+        session = gw.sessions.by_id(session_id)
+        if session is None:
+            raise ApiError(404, f"session_id: {session_id!r} is not a known session{GONE}", param="session_id")
+        return session
+
+    async def body_of(request: Request, *, allow_empty: bool = False) -> dict:
+        raw = await read_body(request, cfg.max_body_bytes)
+        return await gw.offload.run(len(raw), lambda: load_json(raw, max_depth=cfg.max_json_depth,
+                                                                allow_empty=allow_empty))
+
     async def start_session(request: Request) -> Response:
         require_admin(request)
-        body, _ = await read_json(request, cfg.max_body_bytes)
+        body = await body_of(request)
         f.check_keys(body, _START_KEYS, frozenset(), strict=True)
+        task_id = f.string(body, "task_id", allow_empty=False)
+        if len(task_id) > MAX_NAME_CHARS:
+            raise bad_request("task_id", f"longer than {MAX_NAME_CHARS} characters")
+        group_size = f.integer(body, "group_size", default=1, lo=1, hi=cfg.max_sessions)
+        fixed = f.string(body, "api_key", default=None, allow_empty=False)
+        if fixed is not None and (len(fixed) > 256 or not fixed.isprintable() or any(c.isspace() for c in fixed)):
+            raise bad_request("api_key", "must be at most 256 printable characters without whitespace")
+        metadata = f.obj(body.get("metadata") or {}, "metadata")
         idem = request.headers.get("idempotency-key")
-        if idem and idem in idempotent and time.monotonic() - idempotent[idem][0] < cfg.idempotency_ttl_s:
-            return json_response(idempotent[idem][1], 201)
-        metadata = body.get("metadata") or {}
-        result = await lifecycle.start_session(
-            gw, task_id=f.string(body, "task_id", allow_empty=False),
-            group_size=f.integer(body, "group_size", default=1, lo=1, hi=cfg.max_sessions),
-            api_key=f.string(body, "api_key", default=None, allow_empty=False), metadata=f.obj(metadata, "metadata"))
+        token = None
         if idem:
-            idempotent[idem] = (time.monotonic(), result)
+            if len(idem) > IdempotencyCache.MAX_KEY_CHARS:
+                raise bad_request("Idempotency-Key", f"longer than {IdempotencyCache.MAX_KEY_CHARS} characters")
+            while (first := idempotent.lookup(idem)) is not None:  # a repeat: the first call's answer
+                result = await asyncio.shield(first)
+                if result is not None:
+                    return json_response(result, 201)
+            token = idempotent.begin(idem)
+        try:
+            async with fixed_keys if fixed is not None else contextlib.nullcontext():
+                result = await lifecycle.start_session(gw, task_id=task_id, group_size=group_size, api_key=fixed,
+                                                       metadata=metadata)
+        except BaseException:
+            if token is not None:
+                idempotent.fail(idem, token)
+            raise
+        if token is not None:
+            idempotent.resolve(idem, token, result)
         return json_response(result, 201)
 
     async def set_reward(request: Request) -> Response:
-        body, _ = await read_json(request, cfg.max_body_bytes)
-        session = target_session(request, body)
+        session = identify(request)
+        body = await body_of(request)
+        session = session or named_session(body)
         f.req(body, "reward")
         reward = f.number(body, "reward", default=0.0)
         return json_response(lifecycle.set_reward(session, reward, f.string(body, "interaction_id", default=None)))
 
     async def end_session(request: Request) -> Response:
-        body, _ = await read_json(request, cfg.max_body_bytes, allow_empty=True)
-        session = target_session(request, body)
+        session = identify(request)
+        body = await body_of(request, allow_empty=True)
+        session = session or named_session(body)
         return json_response(await lifecycle.end_session(gw, session))
 
     async def status(request: Request) -> Response:
@@ -84,7 +117,10 @@ def add_rl_routes(app: Starlette, gw: Gateway) -> None:
                               "requests": gw.requests, "replayed": gw.replayed, "rejected_busy": gw.rejected_busy,
                               "published": gw.outbox.published, "publish_pending": gw.outbox.pending,
                               "engine_paused": bool(gw.backend.engine.paused), "policy_version": gw.backend.version,
-                              "export_mode": cfg.export_mode, "budget": gw.budget.snapshot()})
+                              "export_mode": cfg.export_mode, "budget": gw.budget.snapshot(),
+                              "bounds": {"replay_entries": len(gw.replays), "idempotency_keys": len(gw.idempotency),
+                                         "recorded_tokens": gw.recorded_tokens, "heavy_pending": gw.offload.pending,
+                                         "heavy_rejected": gw.offload.rejected}})
 
     async def session_info(request: Request) -> Response:
         require_admin(request)

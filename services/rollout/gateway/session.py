@@ -77,6 +77,8 @@ class Session:
     inflight: int = 0
     released: int | None = None     # after export: how many interactions there were (their tokens are freed)
     exports: list = dataclasses.field(default_factory=list)   # publish futures of the exported trajectories
+    ending: object = None           # the end in progress (an asyncio task): concurrent ends share it
+    tokens: int = 0                 # recorded prompt + completion ids (bounded per session and in all)
     interactions: list[Interaction] = dataclasses.field(default_factory=list)
     _by_id: dict[str, Interaction] = dataclasses.field(default_factory=dict)
     _by_transcript: dict[bytes, Interaction] = dataclasses.field(default_factory=dict)
@@ -106,6 +108,7 @@ class Session:
         if interaction.id in self._by_id:
             raise ValueError(f"interaction {interaction.id} already recorded")
         self.interactions.append(interaction)
+        self.tokens += len(interaction.prompt_ids) + len(interaction.output_ids)
         self._by_id[interaction.id] = interaction
         if interaction.transcript_key is not None:
             self._by_transcript[interaction.transcript_key] = interaction

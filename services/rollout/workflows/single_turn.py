@@ -1,11 +1,24 @@
-"""Single-turn workflow: one prompt work -> a group of trajectories with per-token versions."""
+"""Single-turn workflow: one prompt work -> a group of trajectories with per-token versions.
+
+Prompt work is validated whole before anything is admitted to the engine (`validate_work`): a message that can
+never run is an InvalidMessage (dead-lettered with the reason), never a model step that fails other work.
+"""
 
 from __future__ import annotations
+
+import re
+from typing import Any
 
 from services.common.bus import InvalidMessage
 from services.common.contracts import data_pb2
 from services.common.ids import now
 from services.rollout.engines.sequence import Sampling, Sequence
+from services.rollout.engines.torch_engine import MAX_SAMPLES
+
+MAX_GROUP_SIZE = MAX_SAMPLES
+MAX_NAME_CHARS = 1024                      # task_id, group_id
+SPLITS = ("", "train", "eval")
+_ID = re.compile(r"[\x21-\x7e]{1,256}")    # ids travel in Nats-Msg-Id headers: visible ASCII, no spaces
 
 
 def sampling_from_proto(params: data_pb2.SamplingParams) -> Sampling:
@@ -16,13 +29,35 @@ def sampling_from_proto(params: data_pb2.SamplingParams) -> Sampling:
         raise InvalidMessage(f"sampling.{exc}") from exc
 
 
-def validate_work(work: data_pb2.PromptWork) -> None:
-    if not work.work_id:
-        raise InvalidMessage("work_id: missing")
+def check_id(value: str, field: str) -> None:
+    if not value:
+        raise InvalidMessage(f"{field}: missing")
+    if not _ID.fullmatch(value):
+        raise InvalidMessage(f"{field}: must be 1-256 visible ASCII characters without spaces")
+
+
+def validate_work(work: data_pb2.PromptWork, engine: Any = None) -> Sampling:
+    """InvalidMessage naming the field unless the work can run; with `engine`, also its token ids (in
+    [0, vocab_size)), prompt length and max_new_tokens against that engine. Returns the work's Sampling."""
+    check_id(work.work_id, "work_id")
     if not work.prompt_ids:
         raise InvalidMessage("prompt_ids: empty")
-    if work.group_size < 1:
-        raise InvalidMessage(f"group_size: must be >= 1, got {work.group_size}")
+    if not 1 <= work.group_size <= MAX_GROUP_SIZE:
+        raise InvalidMessage(f"group_size: must be in [1, {MAX_GROUP_SIZE}], got {work.group_size}")
+    if not work.group_id:
+        raise InvalidMessage("group_id: missing")
+    for field in ("task_id", "group_id"):
+        if len(getattr(work, field)) > MAX_NAME_CHARS:
+            raise InvalidMessage(f"{field}: longer than {MAX_NAME_CHARS} characters")
+    if work.split not in SPLITS:
+        raise InvalidMessage(f"split: expected 'train' or 'eval', got {work.split!r}")
+    sampling = sampling_from_proto(work.sampling)
+    if engine is not None:
+        try:
+            engine.check(list(work.prompt_ids), sampling, work.group_size)
+        except ValueError as exc:
+            raise InvalidMessage(str(exc)) from exc
+    return sampling
 
 
 def to_trajectories(work: data_pb2.PromptWork, seqs: list[Sequence]) -> list[data_pb2.Trajectory]:

@@ -1,0 +1,74 @@
+"""Verifiers run with a deadline off the event loop: a verification past it scores 0 with the reason, its worker
+is replaced, and bad trajectories are InvalidMessages before any verifier runs."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import msgpack
+import pytest
+
+from services.common.bus import InvalidMessage
+from services.common.contracts import data_pb2
+from services.reward.scoring import Scorer
+from services.reward.verifiers.pool import VerifierPool
+
+
+@pytest.fixture(scope="module")
+def pool():
+    pool = VerifierPool(workers=1)
+    yield pool
+    pool.close()
+
+
+def traj(**kw) -> data_pb2.Trajectory:
+    base = dict(trajectory_id="t-1", group_id="g", completion_ids=[52, 50], versions=[0, 0], behavior_logprobs=[-1.0, -2.0],
+                loss_mask=[1, 1], metadata=msgpack.packb({"answer": "42", "extract": "last_number"}))
+    base.update(kw)
+    return data_pb2.Trajectory(**base)
+
+
+def test_a_verification_past_its_deadline_scores_zero_and_the_worker_is_replaced(pool):
+    slow = Scorer(lambda ids: "".join(map(chr, ids)), "math", timeout_s=1e-4, pool=pool)
+    verdict = slow.score_text("math", "\\frac{1}{2} + \\sqrt{2}", {"answer": "0.5 + 2^{1/2}", "extract": "all"})
+    assert verdict.reward == 0.0 and verdict.detail.startswith("timeout")
+    assert pool.timeouts >= 1
+    fine = Scorer(lambda ids: "".join(map(chr, ids)), "math", timeout_s=30, pool=pool)
+    assert fine.score(traj()).reward == 1.0  # a fresh worker took over
+
+
+async def test_scoring_keeps_the_event_loop_free(pool):
+    scorer = Scorer(lambda ids: "".join(map(chr, ids)), "math", timeout_s=30, pool=pool)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.001)
+            ticks += 1
+
+    task = asyncio.create_task(ticker())
+    scored = await asyncio.gather(*(scorer.score_async(traj(trajectory_id=f"t-{i}")) for i in range(4)))
+    task.cancel()
+    assert [s.reward for s in scored] == [1.0] * 4 and ticks > 0
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"completion_ids": [-5, 1]}, "completion_ids"), ({"prompt_ids": [1, 10**6]}, "prompt_ids"),
+    ({"behavior_logprobs": [math.nan, 0.0]}, "behavior_logprobs"), ({"loss_mask": [1, 7]}, "loss_mask"),
+    ({"versions": [0, -9]}, "versions"), ({"trajectory_id": "a b"}, "trajectory_id"),
+    ({"metadata": msgpack.packb({"answer": "1", "extract": "nope"})}, "metadata.extract"),
+])
+def test_bad_trajectories_are_refused_before_any_verifier_runs(pool, bad, field):
+    scorer = Scorer(lambda ids: "".join(map(chr, ids)), "math", vocab_size=1000, pool=pool)
+    with pytest.raises(InvalidMessage, match=field):
+        scorer.score(traj(**bad))
+
+
+def test_a_tokenizer_that_cannot_decode_the_ids_makes_an_invalid_message(pool):
+    def decode(ids):
+        raise OverflowError("out of range")
+
+    with pytest.raises(InvalidMessage, match="completion_ids"):
+        Scorer(decode, "math", pool=pool).score(traj())

@@ -24,7 +24,7 @@ from launcher.processes import NatsCluster, NatsServer, free_port
 from launcher.report import EventLog, write_report
 from launcher.supervisor import Backoff, Supervisor, pid_alive
 from launcher.watch import watch_run
-from services.rollout.gateway.config import DEV_ADMIN_KEY
+from services.rollout.gateway.config import ADMIN_KEY_FILE
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SERVICES = ("weight_exchange", "reward", "builder", "trainer", "rollout")
@@ -356,7 +356,7 @@ def up(config: str, *, seed: int = 0, algo: str = "", nats_mode: str = "single",
           + f"; {nats_url}; logs in runs/up/logs; supervised (pid {supervisor.pid}, runs/up/logs/supervisor.log)")
     admin_key = os.environ.get("MESHRL_ADMIN_KEY")
     print("agent gateway: http://127.0.0.1:8000/v1 (OpenAI), http://127.0.0.1:8000 (Anthropic); admin key: "
-          + ("$MESHRL_ADMIN_KEY" if admin_key else f"{DEV_ADMIN_KEY} (development default; set MESHRL_ADMIN_KEY)"))
+          + ("$MESHRL_ADMIN_KEY" if admin_key else f"generated at start into runs/up/{ADMIN_KEY_FILE} (mode 0600)"))
 
 
 def supervise(state_path: pathlib.Path) -> None:

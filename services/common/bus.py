@@ -131,20 +131,12 @@ class Bus:
         async def on_reconnected() -> None:
             log.info("nats_reconnected")
 
-        give_up = now() + deadline
-        delay = 0.5
-        while True:
-            try:
-                nc = await nats.connect(servers, name=name, connect_timeout=5, max_reconnect_attempts=-1,
-                                        reconnect_time_wait=0.5, error_cb=on_error, disconnected_cb=on_disconnected,
-                                        reconnected_cb=on_reconnected, pending_size=64 << 20)
-                break
-            except (*TRANSIENT, OSError, nats.errors.NoServersError) as exc:
-                if now() > give_up:
-                    raise
-                log.warning("nats_unreachable", retry_in=delay, error=repr(exc))
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        nc = await retry(lambda: nats.connect(servers, name=name, connect_timeout=5, max_reconnect_attempts=-1,
+                                              reconnect_time_wait=0.5, error_cb=on_error,
+                                              disconnected_cb=on_disconnected, reconnected_cb=on_reconnected,
+                                              pending_size=64 << 20),
+                         what=f"connect to {url}", deadline=deadline,
+                         errors=(*TRANSIENT, OSError, nats.errors.NoServersError))
         bus = cls(nc, ack_wait=ack_wait, replicas=replicas)
         await retry(bus.ensure, what="declare streams", deadline=deadline)
         return bus
@@ -200,10 +192,15 @@ class Bus:
         return {subject.removeprefix(DLQ_PREFIX): n for subject, n in (info.state.subjects or {}).items()}
 
     async def dead_letter(self, consumer: str, msg: Msg, reason: str) -> None:
-        letter = data_pb2.DeadLetter(subject=msg.subject, consumer=consumer, reason=reason, data=msg.data, at=now())
         seq = msg.metadata.sequence.stream if msg.metadata else 0
-        await self.publish(DLQ_PREFIX + consumer, letter, f"dlq-{consumer}-{seq}")
-        get_logger().warning("dead_letter", consumer=consumer, subject=msg.subject, reason=reason)
+        await self.dead_letter_data(consumer, msg.subject, msg.data, reason, key=str(seq))
+
+    async def dead_letter_data(self, consumer: str, subject: str, data: bytes, reason: str, *, key: str) -> None:
+        """Dead-letter what `consumer` read from `subject` (by other means than a fetched message); `key`
+        makes the letter's dedupe id."""
+        letter = data_pb2.DeadLetter(subject=subject, consumer=consumer, reason=reason, data=data, at=now())
+        await self.publish(DLQ_PREFIX + consumer, letter, f"dlq-{consumer}-{key}")
+        get_logger().warning("dead_letter", consumer=consumer, subject=subject, reason=reason)
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -226,14 +223,16 @@ def decoder(message_type: type[M]) -> Callable[[Msg], M]:
     return decode
 
 
-async def retry(call: Callable[[], Awaitable[T]], *, what: str, deadline: float = PUBLISH_DEADLINE) -> T:
-    """`call()` again (back-off 0.2 s doubling to 5 s) while it fails for a transient reason, up to `deadline` s."""
+async def retry(call: Callable[[], Awaitable[T]], *, what: str, deadline: float = PUBLISH_DEADLINE,
+                errors: tuple[type[BaseException], ...] = TRANSIENT) -> T:
+    """`call()` again (back-off 0.2 s doubling to 5 s) while it fails with one of `errors` (transient ones),
+    up to `deadline` s."""
     give_up = now() + deadline
     delay = 0.2
     while True:
         try:
             return await call()
-        except TRANSIENT as exc:
+        except errors as exc:
             if now() + delay > give_up:
                 raise
             get_logger().warning("nats_retry", what=what, retry_in=delay, error=repr(exc))

@@ -18,7 +18,7 @@ import prometheus_client
 import torch
 
 from services.common.batches import batch_subject, wait_batch
-from services.common.bus import DLQ_PREFIX, SUBJECT_VERSIONS, TRANSIENT, Bus, InvalidMessage, wait_either
+from services.common.bus import SUBJECT_VERSIONS, TRANSIENT, Bus, InvalidMessage, wait_either
 from services.common.contracts import common_pb2, data_pb2, trainer_pb2, trainer_pb2_grpc
 from services.common.deadletters import DeadLetterWatch
 from services.common.ids import now
@@ -143,27 +143,23 @@ class Trainer:
 
     def _step(self, packed, version: int) -> dict[str, float]:
         """In a worker thread: the step, bracketed for the weight-sync sender (no torn reads)."""
-        begin = getattr(self.sender, "begin_update", None)
-        if begin is not None:
-            begin()
+        if self.sender is not None:
+            self.sender.begin_update()
         metrics = self.engine.step(packed, version)
-        end = getattr(self.sender, "end_update", None)
-        if end is not None:
-            end(version + 1)
+        if self.sender is not None:
+            self.sender.end_update(version + 1)
         return metrics
 
     async def skip(self, index: int, reason: str) -> None:
         """Dead-letter batch `index` and move past it: the version advances without an optimizer step."""
-        letter = data_pb2.DeadLetter(subject=batch_subject(index), consumer="trainer", reason=reason, at=now())
-        await self.bus.publish(DLQ_PREFIX + "trainer", letter, f"dlq-trainer-{index}")
+        await self.bus.dead_letter_data("trainer", batch_subject(index), b"", reason, key=str(index))
         self.log.warning("batch_skipped", index=index, reason=reason)
         SKIPPED.inc()
         async with self.lock:
             self.version += 1
             self.lineage["skipped"].append(index)
-            end = getattr(self.sender, "end_update", None)
-            if end is not None:
-                end(self.version)
+            if self.sender is not None:
+                self.sender.end_update(self.version)
         await self.after_step({"skipped": 1.0, "batch_index": float(index),
                                "trajectories_trained": float(self.trajectories_trained)})
 
@@ -288,7 +284,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
 
 async def serve(config: TrainerConfig, stop: asyncio.Event) -> None:
-    bus = await Bus.connect(config.nats_url, name=config.rank_id, replicas=getattr(config, "nats_replicas", 1))
+    bus = await Bus.connect(config.nats_url, name=config.rank_id, replicas=config.nats_replicas)
     trainer = Trainer(config, bus)
     trainer.resume()
     rpc = await start_server(config.grpc_address, [Servicer(

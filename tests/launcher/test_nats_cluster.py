@@ -2,29 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import nats
 from nats.js.api import StorageType
 
 from launcher.processes import NatsCluster, nats_server_binary
-
-
-async def _quiet(*_args) -> None:
-    return None
-
-
-async def _retry(make, timeout: float = 15.0):
-    """Call `make()` until it succeeds (a leader election or a client reconnect takes a few seconds)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return await make()
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.2)
+from tests.launcher.nats_helpers import quiet, retry
 
 
 async def test_r3_stream_survives_a_node_down_and_the_node_comes_back(tmp_path):
@@ -35,7 +19,7 @@ async def test_r3_stream_survives_a_node_down_and_the_node_comes_back(tmp_path):
     nc = None
     try:
         nc = await nats.connect(servers=cluster.urls, reconnect_time_wait=0.2, max_reconnect_attempts=-1,
-                                error_cb=_quiet)
+                                error_cb=quiet)
         js = nc.jetstream(timeout=3.0)
         await js.add_stream(name="T", subjects=["t.>"], num_replicas=3, storage=StorageType.FILE)
         for i in range(10):
@@ -47,10 +31,10 @@ async def test_r3_stream_survives_a_node_down_and_the_node_comes_back(tmp_path):
         cluster.kill(leader)
         assert not cluster.nodes[leader].alive
         for i in range(10, 20):  # dedupe by Nats-Msg-Id makes a retried publish safe
-            await _retry(lambda i=i: js.publish("t.x", f"m{i}".encode(), headers={"Nats-Msg-Id": f"m{i}"}))
-        info = await _retry(lambda: js.stream_info("T"))
+            await retry(lambda i=i: js.publish("t.x", f"m{i}".encode(), headers={"Nats-Msg-Id": f"m{i}"}))
+        info = await retry(lambda: js.stream_info("T"))
         assert info.state.messages == 20 and info.cluster.leader != f"n{leader}"
-        sub = await _retry(lambda: js.pull_subscribe("t.>", durable="reader", stream="T"))
+        sub = await retry(lambda: js.pull_subscribe("t.>", durable="reader", stream="T"))
         got: list[bytes] = []
         deadline = time.monotonic() + 15
         while len(got) < 20 and time.monotonic() < deadline:
@@ -65,7 +49,7 @@ async def test_r3_stream_survives_a_node_down_and_the_node_comes_back(tmp_path):
 
         cluster.start_node(leader)  # same ports and store: it catches up with the 10 messages it missed
         assert cluster.nodes[leader].alive
-        direct = await nats.connect(servers=[cluster.nodes[leader].url], error_cb=_quiet)
+        direct = await nats.connect(servers=[cluster.nodes[leader].url], error_cb=quiet)
         try:
             djs = direct.jetstream(timeout=3.0)
 
@@ -76,7 +60,7 @@ async def test_r3_stream_survives_a_node_down_and_the_node_comes_back(tmp_path):
                 assert len(replicas) == 2 and all(r.current for r in replicas), replicas
                 return info
 
-            await _retry(caught_up, timeout=20)
+            await retry(caught_up, timeout=20)
         finally:
             await direct.close()
     finally:

@@ -22,12 +22,10 @@ from launcher.stack import SERVICES, Stack, random_ports
 from launcher.supervisor import Backoff
 from launcher.watch import watch_run
 from services.common.contracts import data_pb2
+from tests.launcher.nats_helpers import quiet, retry
 
 FAST = Backoff(initial=0.2, factor=2, cap=1.0, reset_after=60)
 
-
-async def _quiet(*_args) -> None:
-    return None
 
 
 async def _wait(predicate, timeout: float) -> None:
@@ -38,22 +36,12 @@ async def _wait(predicate, timeout: float) -> None:
         await asyncio.sleep(0.02)
 
 
-async def _retry(make, timeout: float = 15.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return await make()
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.2)
-
 
 async def test_killed_nats_is_restarted_on_its_port_with_its_jetstream_data(tmp_path):
     stack = Stack(tmp_path / "run", random_ports(), policy=FAST)
     stack.start_nats()
     try:
-        nc = await nats.connect(stack.nats.url, error_cb=_quiet)
+        nc = await nats.connect(stack.nats.url, error_cb=quiet)
         js = nc.jetstream(timeout=3.0)
         await js.add_stream(name="KEEP", subjects=["keep.>"], storage=StorageType.FILE)
         await js.publish("keep.a", b"before the kill")
@@ -65,9 +53,9 @@ async def test_killed_nats_is_restarted_on_its_port_with_its_jetstream_data(tmp_
         assert stack.pid("nats") not in (None, old)
         assert stack.restarts == {**{s: 0 for s in SERVICES}, "nats": 1}
         stack.nats.wait_listening()
-        nc = await _retry(lambda: nats.connect(stack.nats.url, error_cb=_quiet, allow_reconnect=False))
+        nc = await retry(lambda: nats.connect(stack.nats.url, error_cb=quiet, allow_reconnect=False))
         js = nc.jetstream(timeout=3.0)
-        msg = await _retry(lambda: js.get_msg("KEEP", 1))
+        msg = await retry(lambda: js.get_msg("KEEP", 1))
         assert msg.data == b"before the kill"
         await nc.close()
         log = (tmp_path / "run" / "logs" / "supervisor.log").read_text()
@@ -85,7 +73,7 @@ async def test_watch_run_survives_a_nats_restart(tmp_path, nats_mode):
     await asyncio.to_thread(stack.start_nats)
     servers = stack.nats.url.split(",")
     try:
-        nc = await nats.connect(servers=servers, error_cb=_quiet)
+        nc = await nats.connect(servers=servers, error_cb=quiet)
         js = nc.jetstream(timeout=3.0)
         await js.add_stream(name="EVENTS", subjects=["events.>"], storage=StorageType.FILE,
                             num_replicas=len(servers))
@@ -98,9 +86,9 @@ async def test_watch_run_survives_a_nats_restart(tmp_path, nats_mode):
         stack.kill("nats")
         await _wait(lambda: stack.restarts["nats"] == 1, 5)
         assert not watcher.done(), "a dead NATS does not end the run"
-        nc = await _retry(lambda: nats.connect(servers=servers, error_cb=_quiet, allow_reconnect=False))
+        nc = await retry(lambda: nats.connect(servers=servers, error_cb=quiet, allow_reconnect=False))
         js = nc.jetstream(timeout=3.0)
-        await _retry(lambda: js.publish("events.version", data_pb2.VersionEvent(
+        await retry(lambda: js.publish("events.version", data_pb2.VersionEvent(
             kind=data_pb2.VERSION_KIND_RUN_END, version=2, at=time.time()).SerializeToString(),
             headers={"Nats-Msg-Id": "run-end"}))
         await nc.close()

@@ -45,6 +45,11 @@ async def test_publish_and_consume_ride_out_a_server_that_is_gone(nats_server):
     task = asyncio.create_task(consume(bus, "reward", decoder(data_pb2.Trajectory), handle, stop))
     try:
         await bus.publish(SUBJECT_TRAJ_RAW, traj("before"), "before")
+        for _ in range(200):  # acked before the server goes (an ack lost with it would redeliver "before")
+            info = await bus.js.consumer_info("TRAJ", "reward")
+            if got == ["before"] and info.num_ack_pending == 0:
+                break
+            await asyncio.sleep(0.05)
         nats_server.proc.kill()
         nats_server.proc.wait()
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -114,14 +115,32 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, *, name: str, ack_wait: float | None = None, replicas: int = 1,
-                      deadline: float = 600.0) -> Bus:
-        """Connect (retrying while the server is unreachable, up to `deadline` s) and declare everything."""
+                      deadline: float = 600.0, user: str = "", password: str = "", creds_file: str = "",
+                      inbox_prefix: str = "") -> Bus:
+        """Connect (retrying while the server is unreachable, up to `deadline` s) and declare everything.
+
+        Credentials: `user` and `password`, or an nkeys/JWT `creds_file` (see services.common.auth.nats_credentials).
+        With a user, replies come to `_INBOX.<user>.>` (unless `inbox_prefix` says otherwise), the only inboxes
+        the server's permissions let that user subscribe to.
+        """
         log = get_logger().bind(nats=name)
         servers = [u.strip() for u in url.split(",") if u.strip()]
         if not servers:
             raise ValueError("nats_url: empty")
+        auth: dict = {}
+        if user:
+            auth.update(user=user, password=password)
+        if creds_file:
+            auth["user_credentials"] = creds_file
+        if inbox_prefix or user:
+            auth["inbox_prefix"] = inbox_prefix or inbox_for(user)
+
+        refused: asyncio.Future | None = None  # the current connect attempt's: set when the server refuses the user
 
         async def on_error(exc: Exception) -> None:
+            if refused is not None and not refused.done() and (isinstance(exc, nats.errors.AuthorizationError)
+                                                                or "authorization violation" in str(exc).lower()):
+                refused.set_result(exc)
             if not isinstance(exc, (OSError, nats.errors.UnexpectedEOF)):  # reconnect attempts are logged once
                 log.warning("nats_error", error=repr(exc))
 
@@ -131,11 +150,24 @@ class Bus:
         async def on_reconnected() -> None:
             log.info("nats_reconnected")
 
-        nc = await retry(lambda: nats.connect(servers, name=name, connect_timeout=5, max_reconnect_attempts=-1,
-                                              reconnect_time_wait=0.5, error_cb=on_error,
-                                              disconnected_cb=on_disconnected, reconnected_cb=on_reconnected,
-                                              pending_size=64 << 20),
-                         what=f"connect to {url}", deadline=deadline,
+        async def attempt() -> nats.NATS:
+            """One connect; nats-py retries a refused user forever, so a refusal ends it with an error instead."""
+            nonlocal refused
+            refused = asyncio.get_running_loop().create_future()
+            connecting = asyncio.ensure_future(nats.connect(
+                servers, name=name, connect_timeout=5, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                error_cb=on_error, disconnected_cb=on_disconnected, reconnected_cb=on_reconnected,
+                pending_size=64 << 20, **auth))
+            await asyncio.wait([connecting, refused], return_when=asyncio.FIRST_COMPLETED)
+            if connecting.done():
+                return connecting.result()
+            connecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await connecting
+            raise NatsAuthError(f"nats_user: the server at {url} refused {user or 'a connection without a user'!r} "
+                                "(authorization violation): check nats_user and nats_password_file")
+
+        nc = await retry(attempt, what=f"connect to {url}", deadline=deadline,
                          errors=(*TRANSIENT, OSError, nats.errors.NoServersError))
         bus = cls(nc, ack_wait=ack_wait, replicas=replicas)
         await retry(bus.ensure, what="declare streams", deadline=deadline)
@@ -188,8 +220,23 @@ class Bus:
 
     async def dead_letter_counts(self) -> dict[str, int]:
         """Messages in the dead-letter stream, by consumer."""
-        info = await self.js.stream_info("DLQ", subjects_filter=DLQ_PREFIX + ">")
-        return {subject.removeprefix(DLQ_PREFIX): n for subject, n in (info.state.subjects or {}).items()}
+        subjects = await self.stream_subjects("DLQ", DLQ_PREFIX + ">")
+        return {subject.removeprefix(DLQ_PREFIX): n for subject, n in subjects.items()}
+
+    async def stream_subjects(self, stream: str, subjects_filter: str) -> dict[str, int]:
+        """Every subject of `stream` under the filter, with its message count, page by page. The stream's leader
+        answers, so the list is complete even while a cluster node is down (a key-value `keys()` reads through
+        an ordered consumer, which can end early when a replica just lost its leader)."""
+        subjects: dict[str, int] = {}
+        while True:
+            request = json.dumps({"subjects_filter": subjects_filter, "offset": len(subjects)}).encode()
+            reply = json.loads((await self.nc.request(f"$JS.API.STREAM.INFO.{stream}", request, timeout=10.0)).data)
+            if "error" in reply:
+                raise nats.js.errors.APIError.from_error(reply["error"])
+            page = reply.get("state", {}).get("subjects") or {}
+            subjects.update(page)
+            if not page or len(subjects) >= reply.get("total", 0):
+                return subjects
 
     async def dead_letter(self, consumer: str, msg: Msg, reason: str) -> None:
         seq = msg.metadata.sequence.stream if msg.metadata else 0
@@ -205,6 +252,15 @@ class Bus:
     async def close(self) -> None:
         with contextlib.suppress(Exception):
             await self.nc.drain()
+
+
+class NatsAuthError(ValueError):
+    """The NATS server refused this service's user or password (a configuration error: not retried)."""
+
+
+def inbox_for(user: str) -> str:
+    """The inbox prefix of a NATS user (its subscribe permission covers `<prefix>.>` only)."""
+    return "_INBOX." + "".join(c if c.isalnum() or c in "-_" else "_" for c in user)
 
 
 def decoder(message_type: type[M]) -> Callable[[Msg], M]:

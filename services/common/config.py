@@ -32,9 +32,23 @@ class ServiceConfig:
     nats_replicas: int = 1                    # stream replication; 3 on a three-node JetStream cluster
     grpc_address: str = "127.0.0.1:0"
     metrics_port: int = 0  # 0: pick a free port; -1: no metrics endpoint
-    auth_token: str = ""
     log_level: str = "info"
     run_dir: str = "runs/default"
+    # gRPC security (services.common.auth). Secrets live in files (0600), never in this config or the logs.
+    auth_token: str = ""            # this service's bearer token; alone (no peers file): one token shared by all
+    auth_token_file: str = ""       # a file holding this service's token (what the launcher writes)
+    auth_peers_file: str = ""       # identity -> sha256 of its token; with it, each method has an allow-list
+    grpc_reflection: bool = True    # reflection (and health) answer without a token
+    tls_cert_file: str = ""         # PEM: this service's certificate (server, and client with mTLS)
+    tls_key_file: str = ""
+    tls_ca_file: str = ""           # PEM: the CA that signed the peers' certificates (clients check servers)
+    tls_client_auth: bool = False   # mTLS: servers require a client certificate signed by tls_ca_file
+    tls_server_name: str = ""       # the name clients expect in servers' certificates (default: the host)
+    # NATS credentials: a user and its password (or password file), or an nkeys/JWT credentials file
+    nats_user: str = ""
+    nats_password: str = ""
+    nats_password_file: str = ""
+    nats_creds_file: str = ""
 
 
 def load_config(cls: type[T], service: str, *, path: str | os.PathLike | None = None,

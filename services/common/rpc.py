@@ -1,4 +1,5 @@
-"""The control plane scaffold: a grpc.aio server with health, reflection and an optional bearer token."""
+"""The control plane scaffold: a grpc.aio server with health, reflection, bearer tokens with a per-method allow-list
+of identities (services.common.auth) and optional TLS / mTLS; channels that present a token."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.auth import CALLER, OPEN_METHODS, AuthError, ServerSecurity, Tls, TokenTable, allowed, is_loopback
 from services.common.logging import get_logger
 
-OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+MESSAGE_LIMITS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,23 +29,52 @@ class Servicer:
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects calls without `authorization: Bearer <token>`; health and reflection stay open."""
+    """Accepts a call when `authorization: Bearer <token>` names an identity allowed to call the method
+    (UNAUTHENTICATED / PERMISSION_DENIED otherwise); health and reflection stay open. The handler sees the
+    identity through `services.common.auth.caller()`."""
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}"
+    def __init__(self, tokens: TokenTable, policy, open_methods: tuple[str, ...] = OPEN_METHODS) -> None:
+        self._tokens = tokens
+        self._policy = policy
+        self._open = open_methods
 
     async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
-        if method.startswith(OPEN_METHODS):
+        if method.startswith(self._open):
             return await continuation(handler_call_details)
-        metadata = dict(handler_call_details.invocation_metadata or ())
-        if metadata.get("authorization") == self._expected:
-            return await continuation(handler_call_details)
-        return grpc.unary_unary_rpc_method_handler(_deny)
+        token = ""
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
+                token = value[len("Bearer "):]
+        identity = self._tokens.identify(token) if token else None
+        if identity is None:
+            return grpc.unary_unary_rpc_method_handler(_deny(grpc.StatusCode.UNAUTHENTICATED,
+                                                             "missing or wrong bearer token"))
+        if not allowed(identity, method, self._policy):
+            return grpc.unary_unary_rpc_method_handler(_deny(grpc.StatusCode.PERMISSION_DENIED,
+                                                             f"{identity} may not call {method}"))
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        return handler._replace(unary_unary=_as(identity, handler.unary_unary))
 
 
-async def _deny(request, context: grpc.aio.ServicerContext):
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+def _as(identity: str, behavior):
+    async def call(request, context):
+        reset = CALLER.set(identity)
+        try:
+            return await behavior(request, context)
+        finally:
+            CALLER.reset(reset)
+
+    return call
+
+
+def _deny(code: grpc.StatusCode, message: str):
+    async def deny(request, context: grpc.aio.ServicerContext):
+        await context.abort(code, message)
+
+    return deny
 
 
 class RpcServer:
@@ -66,18 +97,32 @@ class RpcServer:
         await self.server.stop(grace)
 
 
-async def start_server(address: str, servicers: Sequence[Servicer], *, auth_token: str = "") -> RpcServer:
-    interceptors = [BearerTokenInterceptor(auth_token)] if auth_token else []
-    server = grpc.aio.server(interceptors=interceptors, options=[
-        ("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)])
+async def start_server(address: str, servicers: Sequence[Servicer], *, auth_token: str = "",
+                       security: ServerSecurity | None = None) -> RpcServer:
+    """Serve `servicers` on `address`. `security` (see services.common.auth.server_security) sets the tokens, the
+    allow-list, TLS and reflection; `auth_token` alone is one token allowed everything. Without a token the
+    address must be loopback."""
+    security = security or ServerSecurity()
+    if security.tokens is None and auth_token:
+        security = dataclasses.replace(security, tokens=TokenTable.from_tokens({"shared": auth_token}))
+    host = address.rsplit(":", 1)[0]
+    if security.tokens is None and not is_loopback(host):
+        raise AuthError(f"grpc_address: {address} is not a loopback address; refusing to serve it without a token "
+                        "(set auth_token_file and auth_peers_file, or auth_token)")
+    interceptors = [BearerTokenInterceptor(security.tokens, security.policy)] if security.tokens else []
+    server = grpc.aio.server(interceptors=interceptors, options=MESSAGE_LIMITS)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [s.full_name for s in servicers]
     for s in servicers:
         s.add_to_server(s.implementation, server)
-    reflection.enable_server_reflection(
-        (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(address)
+    if security.reflection:
+        reflection.enable_server_reflection(
+            (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    if security.tls is not None:
+        port = server.add_secure_port(address, security.tls.server_credentials())
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise ValueError(f"grpc_address: cannot bind {address!r}")
     await server.start()
@@ -101,10 +146,13 @@ class _TokenInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
         return await continuation(details, request)
 
 
-def channel(address: str, *, token: str = "") -> grpc.aio.Channel:
+def channel(address: str, *, token: str = "", tls: Tls | None = None) -> grpc.aio.Channel:
+    """A channel that sends `authorization: Bearer <token>` on every call; over TLS when `tls` is given."""
     interceptors = [_TokenInterceptor(token)] if token else None
-    return grpc.aio.insecure_channel(address, interceptors=interceptors, options=[
-        ("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)])
+    if tls is None:
+        return grpc.aio.insecure_channel(address, interceptors=interceptors, options=MESSAGE_LIMITS)
+    options = [*MESSAGE_LIMITS, *([("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else [])]
+    return grpc.aio.secure_channel(address, tls.channel_credentials(), interceptors=interceptors, options=options)
 
 
 async def invalid_argument(context: grpc.aio.ServicerContext, field: str, problem: str) -> None:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.contracts.meshrl.v1 import common_pb2 as meshrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17meshrl/v1/builder.proto\x12\tmeshrl.v1\x1a\x16meshrl/v1/common.proto\"\xd5\x03\n\rBuilderStatus\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x15\n\rmax_staleness\x18\x02 \x01(\x03\x12\x12\n\nbatch_size\x18\x03 \x01(\x03\x12\x15\n\rgroups_issued\x18\x04 \x01(\x03\x12\x18\n\x10groups_in_flight\x18\x05 \x01(\x03\x12\x17\n\x0fgroups_accepted\x18\x06 \x01(\x03\x12\x19\n\x11\x62\x61tches_published\x18\x07 \x01(\x03\x12\x1d\n\x15trajectories_received\x18\x08 \x01(\x03\x12\"\n\x1atrajectories_dropped_stale\x18\t \x01(\x03\x12\x10\n\x08\x63\x61pacity\x18\n \x01(\x03\x12\x0e\n\x06paused\x18\x0b \x01(\x08\x12\x13\n\x0bmean_reward\x18\x0c \x01(\x01\x12\x15\n\rdead_lettered\x18\r \x01(\x03\x12?\n\x0c\x64\x65\x61\x64_letters\x18\x0e \x03(\x0b\x32).meshrl.v1.BuilderStatus.DeadLettersEntry\x12\x16\n\x0egroups_dropped\x18\x0f \x01(\x03\x1a\x32\n\x10\x44\x65\x61\x64LettersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\xb4\x01\n\x0e\x42uilderService\x12<\n\x06Status\x12\x18.meshrl.v1.StatusRequest\x1a\x18.meshrl.v1.BuilderStatus\x12\x30\n\x05Pause\x12\x17.meshrl.v1.PauseRequest\x1a\x0e.meshrl.v1.Ack\x12\x32\n\x06Resume\x12\x18.meshrl.v1.ResumeRequest\x1a\x0e.meshrl.v1.Ackb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17meshrl/v1/builder.proto\x12\tmeshrl.v1\x1a\x16meshrl/v1/common.proto\"\x8c\x04\n\rBuilderStatus\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x15\n\rmax_staleness\x18\x02 \x01(\x03\x12\x12\n\nbatch_size\x18\x03 \x01(\x03\x12\x15\n\rgroups_issued\x18\x04 \x01(\x03\x12\x18\n\x10groups_in_flight\x18\x05 \x01(\x03\x12\x17\n\x0fgroups_accepted\x18\x06 \x01(\x03\x12\x19\n\x11\x62\x61tches_published\x18\x07 \x01(\x03\x12\x1d\n\x15trajectories_received\x18\x08 \x01(\x03\x12\"\n\x1atrajectories_dropped_stale\x18\t \x01(\x03\x12\x10\n\x08\x63\x61pacity\x18\n \x01(\x03\x12\x0e\n\x06paused\x18\x0b \x01(\x08\x12\x13\n\x0bmean_reward\x18\x0c \x01(\x01\x12\x15\n\rdead_lettered\x18\r \x01(\x03\x12?\n\x0c\x64\x65\x61\x64_letters\x18\x0e \x03(\x0b\x32).meshrl.v1.BuilderStatus.DeadLettersEntry\x12\x16\n\x0egroups_dropped\x18\x0f \x01(\x03\x12\x17\n\x0fgroups_filtered\x18\x10 \x01(\x03\x12\x1c\n\x14\x65xtra_prompts_issued\x18\x11 \x01(\x03\x1a\x32\n\x10\x44\x65\x61\x64LettersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\xb4\x01\n\x0e\x42uilderService\x12<\n\x06Status\x12\x18.meshrl.v1.StatusRequest\x1a\x18.meshrl.v1.BuilderStatus\x12\x30\n\x05Pause\x12\x17.meshrl.v1.PauseRequest\x1a\x0e.meshrl.v1.Ack\x12\x32\n\x06Resume\x12\x18.meshrl.v1.ResumeRequest\x1a\x0e.meshrl.v1.Ackb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,9 +35,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BUILDERSTATUS_DEADLETTERSENTRY']._loaded_options = None
   _globals['_BUILDERSTATUS_DEADLETTERSENTRY']._serialized_options = b'8\001'
   _globals['_BUILDERSTATUS']._serialized_start=63
-  _globals['_BUILDERSTATUS']._serialized_end=532
-  _globals['_BUILDERSTATUS_DEADLETTERSENTRY']._serialized_start=482
-  _globals['_BUILDERSTATUS_DEADLETTERSENTRY']._serialized_end=532
-  _globals['_BUILDERSERVICE']._serialized_start=535
-  _globals['_BUILDERSERVICE']._serialized_end=715
+  _globals['_BUILDERSTATUS']._serialized_end=587
+  _globals['_BUILDERSTATUS_DEADLETTERSENTRY']._serialized_start=537
+  _globals['_BUILDERSTATUS_DEADLETTERSENTRY']._serialized_end=587
+  _globals['_BUILDERSERVICE']._serialized_start=590
+  _globals['_BUILDERSERVICE']._serialized_end=770
 # @@protoc_insertion_point(module_scope)

@@ -26,7 +26,7 @@ from services.common.contracts.meshrl.v1 import common_pb2 as meshrl_dot_v1_dot_
 from services.common.contracts.meshrl.v1 import data_pb2 as meshrl_dot_v1_dot_data__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fmeshrl/v1/weight_exchange.proto\x12\tmeshrl.v1\x1a\x16meshrl/v1/common.proto\x1a\x14meshrl/v1/data.proto\"8\n\x0fRegisterRequest\x12%\n\x06layout\x18\x01 \x01(\x0b\x32\x15.meshrl.v1.RankLayout\"d\n\rRegisterReply\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_senders\x18\x02 \x01(\x05\x12\x15\n\rnum_receivers\x18\x03 \x01(\x05\x12\x16\n\x0esender_version\x18\x04 \x01(\x03\";\n\x0bPlanRequest\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x19\n\x11include_transfers\x18\x02 \x01(\x08\"\x88\x02\n\x08Transfer\x12\x13\n\x0bsrc_rank_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64st_rank_id\x18\x02 \x01(\t\x12\x16\n\x0e\x63\x61nonical_name\x18\x03 \x01(\t\x12\x16\n\x0esrc_local_name\x18\x04 \x01(\t\x12+\n\nsrc_region\x18\x05 \x01(\x0b\x32\x17.meshrl.v1.TensorRegion\x12\x16\n\x0e\x64st_local_name\x18\x06 \x01(\t\x12+\n\ndst_region\x18\x07 \x01(\x0b\x32\x17.meshrl.v1.TensorRegion\x12\x11\n\tnum_bytes\x18\x08 \x01(\x03\x12\x0e\n\x06\x62ucket\x18\t \x01(\x05\x12\r\n\x05\x64type\x18\n \x01(\t\"\xa9\x01\n\tPlanStats\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x03\x12\x1a\n\x12max_bytes_per_link\x18\x02 \x01(\x03\x12\x1a\n\x12max_bytes_per_rank\x18\x03 \x01(\x03\x12\x14\n\x0cnum_messages\x18\x04 \x01(\x03\x12\x13\n\x0bnum_buckets\x18\x05 \x01(\x05\x12\x11\n\tnum_links\x18\x06 \x01(\x05\x12\x11\n\tbytes_min\x18\x07 \x01(\x03\"k\n\tPlanReply\x12&\n\ttransfers\x18\x01 \x03(\x0b\x32\x13.meshrl.v1.Transfer\x12#\n\x05stats\x18\x02 \x01(\x0b\x32\x14.meshrl.v1.PlanStats\x12\x11\n\tplan_hash\x18\x03 \x01(\t\"A\n\x0bSyncRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x0e\n\x06verify\x18\x03 \x01(\x08\"l\n\tSyncReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x13\n\x0b\x62ytes_moved\x18\x03 \x01(\x03\x12\x15\n\rnum_receivers\x18\x04 \x01(\x05\x12\x11\n\tplan_hash\x18\x05 \x01(\t\"\xa0\x01\n\x14WeightExchangeStatus\x12\x13\n\x0bnum_senders\x18\x01 \x01(\x05\x12\x15\n\rnum_receivers\x18\x02 \x01(\x05\x12\x18\n\x10\x64\x65ployed_version\x18\x03 \x01(\x03\x12\r\n\x05syncs\x18\x04 \x01(\x03\x12\x19\n\x11last_sync_seconds\x18\x05 \x01(\x01\x12\x18\n\x10last_bytes_moved\x18\x06 \x01(\x03\"\x96\x02\n\x0c\x41pplyRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\ttransport\x18\x02 \x01(\t\x12&\n\ttransfers\x18\x03 \x03(\x0b\x32\x13.meshrl.v1.Transfer\x12\x46\n\x10sender_endpoints\x18\x04 \x03(\x0b\x32,.meshrl.v1.ApplyRequest.SenderEndpointsEntry\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\x12\x0e\n\x06verify\x18\x06 \x01(\x08\x12\x11\n\tplan_hash\x18\x07 \x01(\t\x1a\x36\n\x14SenderEndpointsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"G\n\nApplyReply\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x03\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\t2\x8a\x02\n\x15WeightExchangeService\x12@\n\x08Register\x12\x1a.meshrl.v1.RegisterRequest\x1a\x18.meshrl.v1.RegisterReply\x12\x34\n\x04Plan\x12\x16.meshrl.v1.PlanRequest\x1a\x14.meshrl.v1.PlanReply\x12\x34\n\x04Sync\x12\x16.meshrl.v1.SyncRequest\x1a\x14.meshrl.v1.SyncReply\x12\x43\n\x06Status\x12\x18.meshrl.v1.StatusRequest\x1a\x1f.meshrl.v1.WeightExchangeStatus2M\n\x12WeightAgentService\x12\x37\n\x05\x41pply\x12\x17.meshrl.v1.ApplyRequest\x1a\x15.meshrl.v1.ApplyReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fmeshrl/v1/weight_exchange.proto\x12\tmeshrl.v1\x1a\x16meshrl/v1/common.proto\x1a\x14meshrl/v1/data.proto\"J\n\x0fRegisterRequest\x12%\n\x06layout\x18\x01 \x01(\x0b\x32\x15.meshrl.v1.RankLayout\x12\x10\n\x08rank_key\x18\x02 \x01(\t\"d\n\rRegisterReply\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_senders\x18\x02 \x01(\x05\x12\x15\n\rnum_receivers\x18\x03 \x01(\x05\x12\x16\n\x0esender_version\x18\x04 \x01(\x03\";\n\x0bPlanRequest\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x19\n\x11include_transfers\x18\x02 \x01(\x08\"\x88\x02\n\x08Transfer\x12\x13\n\x0bsrc_rank_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64st_rank_id\x18\x02 \x01(\t\x12\x16\n\x0e\x63\x61nonical_name\x18\x03 \x01(\t\x12\x16\n\x0esrc_local_name\x18\x04 \x01(\t\x12+\n\nsrc_region\x18\x05 \x01(\x0b\x32\x17.meshrl.v1.TensorRegion\x12\x16\n\x0e\x64st_local_name\x18\x06 \x01(\t\x12+\n\ndst_region\x18\x07 \x01(\x0b\x32\x17.meshrl.v1.TensorRegion\x12\x11\n\tnum_bytes\x18\x08 \x01(\x03\x12\x0e\n\x06\x62ucket\x18\t \x01(\x05\x12\r\n\x05\x64type\x18\n \x01(\t\"\xa9\x01\n\tPlanStats\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x03\x12\x1a\n\x12max_bytes_per_link\x18\x02 \x01(\x03\x12\x1a\n\x12max_bytes_per_rank\x18\x03 \x01(\x03\x12\x14\n\x0cnum_messages\x18\x04 \x01(\x03\x12\x13\n\x0bnum_buckets\x18\x05 \x01(\x05\x12\x11\n\tnum_links\x18\x06 \x01(\x05\x12\x11\n\tbytes_min\x18\x07 \x01(\x03\"k\n\tPlanReply\x12&\n\ttransfers\x18\x01 \x03(\x0b\x32\x13.meshrl.v1.Transfer\x12#\n\x05stats\x18\x02 \x01(\x0b\x32\x14.meshrl.v1.PlanStats\x12\x11\n\tplan_hash\x18\x03 \x01(\t\"A\n\x0bSyncRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x0e\n\x06verify\x18\x03 \x01(\x08\"l\n\tSyncReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x13\n\x0b\x62ytes_moved\x18\x03 \x01(\x03\x12\x15\n\rnum_receivers\x18\x04 \x01(\x05\x12\x11\n\tplan_hash\x18\x05 \x01(\t\"\xa0\x01\n\x14WeightExchangeStatus\x12\x13\n\x0bnum_senders\x18\x01 \x01(\x05\x12\x15\n\rnum_receivers\x18\x02 \x01(\x05\x12\x18\n\x10\x64\x65ployed_version\x18\x03 \x01(\x03\x12\r\n\x05syncs\x18\x04 \x01(\x03\x12\x19\n\x11last_sync_seconds\x18\x05 \x01(\x01\x12\x18\n\x10last_bytes_moved\x18\x06 \x01(\x03\"\xb4\x03\n\x0c\x41pplyRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\ttransport\x18\x02 \x01(\t\x12&\n\ttransfers\x18\x03 \x03(\x0b\x32\x13.meshrl.v1.Transfer\x12\x46\n\x10sender_endpoints\x18\x04 \x03(\x0b\x32,.meshrl.v1.ApplyRequest.SenderEndpointsEntry\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\x12\x0e\n\x06verify\x18\x06 \x01(\x08\x12\x11\n\tplan_hash\x18\x07 \x01(\t\x12\x0f\n\x07sync_id\x18\x08 \x01(\t\x12\x42\n\x0esender_tickets\x18\t \x03(\x0b\x32*.meshrl.v1.ApplyRequest.SenderTicketsEntry\x12\x11\n\tsignature\x18\n \x01(\t\x1a\x36\n\x14SenderEndpointsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x34\n\x12SenderTicketsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"G\n\nApplyReply\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x03\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\t2\x8a\x02\n\x15WeightExchangeService\x12@\n\x08Register\x12\x1a.meshrl.v1.RegisterRequest\x1a\x18.meshrl.v1.RegisterReply\x12\x34\n\x04Plan\x12\x16.meshrl.v1.PlanRequest\x1a\x14.meshrl.v1.PlanReply\x12\x34\n\x04Sync\x12\x16.meshrl.v1.SyncRequest\x1a\x14.meshrl.v1.SyncReply\x12\x43\n\x06Status\x12\x18.meshrl.v1.StatusRequest\x1a\x1f.meshrl.v1.WeightExchangeStatus2M\n\x12WeightAgentService\x12\x37\n\x05\x41pply\x12\x17.meshrl.v1.ApplyRequest\x1a\x15.meshrl.v1.ApplyReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,32 +35,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_APPLYREQUEST_SENDERENDPOINTSENTRY']._loaded_options = None
   _globals['_APPLYREQUEST_SENDERENDPOINTSENTRY']._serialized_options = b'8\001'
+  _globals['_APPLYREQUEST_SENDERTICKETSENTRY']._loaded_options = None
+  _globals['_APPLYREQUEST_SENDERTICKETSENTRY']._serialized_options = b'8\001'
   _globals['_REGISTERREQUEST']._serialized_start=92
-  _globals['_REGISTERREQUEST']._serialized_end=148
-  _globals['_REGISTERREPLY']._serialized_start=150
-  _globals['_REGISTERREPLY']._serialized_end=250
-  _globals['_PLANREQUEST']._serialized_start=252
-  _globals['_PLANREQUEST']._serialized_end=311
-  _globals['_TRANSFER']._serialized_start=314
-  _globals['_TRANSFER']._serialized_end=578
-  _globals['_PLANSTATS']._serialized_start=581
-  _globals['_PLANSTATS']._serialized_end=750
-  _globals['_PLANREPLY']._serialized_start=752
-  _globals['_PLANREPLY']._serialized_end=859
-  _globals['_SYNCREQUEST']._serialized_start=861
-  _globals['_SYNCREQUEST']._serialized_end=926
-  _globals['_SYNCREPLY']._serialized_start=928
-  _globals['_SYNCREPLY']._serialized_end=1036
-  _globals['_WEIGHTEXCHANGESTATUS']._serialized_start=1039
-  _globals['_WEIGHTEXCHANGESTATUS']._serialized_end=1199
-  _globals['_APPLYREQUEST']._serialized_start=1202
-  _globals['_APPLYREQUEST']._serialized_end=1480
-  _globals['_APPLYREQUEST_SENDERENDPOINTSENTRY']._serialized_start=1426
-  _globals['_APPLYREQUEST_SENDERENDPOINTSENTRY']._serialized_end=1480
-  _globals['_APPLYREPLY']._serialized_start=1482
-  _globals['_APPLYREPLY']._serialized_end=1553
-  _globals['_WEIGHTEXCHANGESERVICE']._serialized_start=1556
-  _globals['_WEIGHTEXCHANGESERVICE']._serialized_end=1822
-  _globals['_WEIGHTAGENTSERVICE']._serialized_start=1824
-  _globals['_WEIGHTAGENTSERVICE']._serialized_end=1901
+  _globals['_REGISTERREQUEST']._serialized_end=166
+  _globals['_REGISTERREPLY']._serialized_start=168
+  _globals['_REGISTERREPLY']._serialized_end=268
+  _globals['_PLANREQUEST']._serialized_start=270
+  _globals['_PLANREQUEST']._serialized_end=329
+  _globals['_TRANSFER']._serialized_start=332
+  _globals['_TRANSFER']._serialized_end=596
+  _globals['_PLANSTATS']._serialized_start=599
+  _globals['_PLANSTATS']._serialized_end=768
+  _globals['_PLANREPLY']._serialized_start=770
+  _globals['_PLANREPLY']._serialized_end=877
+  _globals['_SYNCREQUEST']._serialized_start=879
+  _globals['_SYNCREQUEST']._serialized_end=944
+  _globals['_SYNCREPLY']._serialized_start=946
+  _globals['_SYNCREPLY']._serialized_end=1054
+  _globals['_WEIGHTEXCHANGESTATUS']._serialized_start=1057
+  _globals['_WEIGHTEXCHANGESTATUS']._serialized_end=1217
+  _globals['_APPLYREQUEST']._serialized_start=1220
+  _globals['_APPLYREQUEST']._serialized_end=1656
+  _globals['_APPLYREQUEST_SENDERENDPOINTSENTRY']._serialized_start=1548
+  _globals['_APPLYREQUEST_SENDERENDPOINTSENTRY']._serialized_end=1602
+  _globals['_APPLYREQUEST_SENDERTICKETSENTRY']._serialized_start=1604
+  _globals['_APPLYREQUEST_SENDERTICKETSENTRY']._serialized_end=1656
+  _globals['_APPLYREPLY']._serialized_start=1658
+  _globals['_APPLYREPLY']._serialized_end=1729
+  _globals['_WEIGHTEXCHANGESERVICE']._serialized_start=1732
+  _globals['_WEIGHTEXCHANGESERVICE']._serialized_end=1998
+  _globals['_WEIGHTAGENTSERVICE']._serialized_start=2000
+  _globals['_WEIGHTAGENTSERVICE']._serialized_end=2077
 # @@protoc_insertion_point(module_scope)

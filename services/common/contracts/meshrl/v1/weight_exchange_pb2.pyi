@@ -9,10 +9,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("layout",)
+    __slots__ = ("layout", "rank_key")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    RANK_KEY_FIELD_NUMBER: _ClassVar[int]
     layout: _data_pb2.RankLayout
-    def __init__(self, layout: _Optional[_Union[_data_pb2.RankLayout, _Mapping]] = ...) -> None: ...
+    rank_key: str
+    def __init__(self, layout: _Optional[_Union[_data_pb2.RankLayout, _Mapping]] = ..., rank_key: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("rank_id", "num_senders", "num_receivers", "sender_version")
@@ -127,8 +129,15 @@ class WeightExchangeStatus(_message.Message):
     def __init__(self, num_senders: _Optional[int] = ..., num_receivers: _Optional[int] = ..., deployed_version: _Optional[int] = ..., syncs: _Optional[int] = ..., last_sync_seconds: _Optional[float] = ..., last_bytes_moved: _Optional[int] = ...) -> None: ...
 
 class ApplyRequest(_message.Message):
-    __slots__ = ("version", "transport", "transfers", "sender_endpoints", "timeout_seconds", "verify", "plan_hash")
+    __slots__ = ("version", "transport", "transfers", "sender_endpoints", "timeout_seconds", "verify", "plan_hash", "sync_id", "sender_tickets", "signature")
     class SenderEndpointsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class SenderTicketsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +151,9 @@ class ApplyRequest(_message.Message):
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     PLAN_HASH_FIELD_NUMBER: _ClassVar[int]
+    SYNC_ID_FIELD_NUMBER: _ClassVar[int]
+    SENDER_TICKETS_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     version: int
     transport: str
     transfers: _containers.RepeatedCompositeFieldContainer[Transfer]
@@ -149,7 +161,10 @@ class ApplyRequest(_message.Message):
     timeout_seconds: float
     verify: bool
     plan_hash: str
-    def __init__(self, version: _Optional[int] = ..., transport: _Optional[str] = ..., transfers: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ..., sender_endpoints: _Optional[_Mapping[str, str]] = ..., timeout_seconds: _Optional[float] = ..., verify: _Optional[bool] = ..., plan_hash: _Optional[str] = ...) -> None: ...
+    sync_id: str
+    sender_tickets: _containers.ScalarMap[str, str]
+    signature: str
+    def __init__(self, version: _Optional[int] = ..., transport: _Optional[str] = ..., transfers: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ..., sender_endpoints: _Optional[_Mapping[str, str]] = ..., timeout_seconds: _Optional[float] = ..., verify: _Optional[bool] = ..., plan_hash: _Optional[str] = ..., sync_id: _Optional[str] = ..., sender_tickets: _Optional[_Mapping[str, str]] = ..., signature: _Optional[str] = ...) -> None: ...
 
 class ApplyReply(_message.Message):
     __slots__ = ("bytes_received", "seconds", "checksum")

@@ -1,0 +1,239 @@
+"""A run's credentials, generated once under `<run_dir>/secrets` (directory 0700, files 0600) and read back by
+every (re)started process, plus the NATS users and subject permissions of each identity.
+
+Files: `grpc-<identity>.token` (bearer token), `grpc-peers.json` (identity -> SHA-256 of its token: what servers
+check against; no secret in it), `nats-<identity>.password`, `nats-route.password` (cluster routes), `gateway_admin_key` (the agent gateway's admin key). Secrets are
+never logged or written into the services' config files: those carry the paths.
+
+NATS permissions (`nats_permissions`) follow what each service really does; what stays shared is listed in
+`SHARED_BY_DESIGN`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import secrets
+
+from services.common.auth import IDENTITIES, OPERATOR, SERVICES, read_secret, token_digest
+from services.common.bus import CONSUMERS, STREAMS, inbox_for
+
+ROUTE_USER = "route"
+GATEWAY_ADMIN_KEY = "gateway_admin_key"  # services.rollout.gateway.config.ADMIN_KEY_FILE's name
+KV_STREAM = "KV_meshrl_builder"      # services.builder.ledger.BUCKET
+OBJ_STREAM = "OBJ_BATCH_BLOBS"       # services.common.batches.BLOBS
+JS = "$JS.API"
+
+SHARED_BY_DESIGN = (
+    "events.version is one subject for trained, checkpoint, eval, run-end, budget and deployed events: trainer, "
+    "builder and weight_exchange may all publish it (the kinds are not separated by subject)",
+    "every service declares every stream and durable consumer at start (services.common.bus.Bus.ensure), so each "
+    "may create meshrl's five streams and (re)create the rollout/reward/builder durables with meshrl's settings",
+    "stream info and the $JS.API.INFO account summary are readable by every service",
+)
+
+
+def _write_secret(path: pathlib.Path, value: str) -> None:
+    """Create `path` with mode 0600 (never replacing an existing file: a restarted process reads the same)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
+
+
+class RunCredentials:
+    """The secrets of one run in `directory`; `ensure` creates what is missing and keeps what exists."""
+
+    def __init__(self, directory: pathlib.Path) -> None:
+        self.directory = pathlib.Path(directory)
+
+    @classmethod
+    def ensure(cls, directory: pathlib.Path) -> RunCredentials:
+        creds = cls(directory)
+        creds.directory.mkdir(parents=True, exist_ok=True)
+        os.chmod(creds.directory, 0o700)
+        for identity in IDENTITIES:
+            for path in (creds.token_file(identity), creds.nats_password_file(identity)):
+                if not path.exists():
+                    _write_secret(path, secrets.token_urlsafe(32))
+        if not creds.nats_password_file(ROUTE_USER).exists():
+            _write_secret(creds.nats_password_file(ROUTE_USER), secrets.token_urlsafe(32))
+        if not creds.gateway_admin_key_file.exists():  # the path the rollout's gateway reads under <run_dir>/secrets
+            _write_secret(creds.gateway_admin_key_file, "sk-meshrl-admin-" + secrets.token_urlsafe(32))
+        peers = json.dumps({i: token_digest(creds.token(i)) for i in IDENTITIES}, indent=1)
+        if not creds.peers_file.exists() or creds.peers_file.read_text() != peers:
+            tmp = creds.peers_file.with_name(f".{creds.peers_file.name}.{os.getpid()}.tmp")
+            tmp.unlink(missing_ok=True)
+            _write_secret(tmp, peers)
+            os.replace(tmp, creds.peers_file)
+        return creds
+
+    # files
+
+    def token_file(self, identity: str) -> pathlib.Path:
+        return self.directory / f"grpc-{identity}.token"
+
+    @property
+    def peers_file(self) -> pathlib.Path:
+        return self.directory / "grpc-peers.json"
+
+    @property
+    def gateway_admin_key_file(self) -> pathlib.Path:
+        return self.directory / GATEWAY_ADMIN_KEY
+
+    def nats_password_file(self, user: str) -> pathlib.Path:
+        return self.directory / f"nats-{user}.password"
+
+    def token(self, identity: str) -> str:
+        return read_secret(self.token_file(identity))
+
+    def nats_password(self, user: str) -> str:
+        return read_secret(self.nats_password_file(user))
+
+    # what processes get
+
+    def service_config(self, identity: str) -> dict:
+        """The config fields that give a service its credentials (paths only)."""
+        return {"auth_token_file": str(self.token_file(identity)), "auth_peers_file": str(self.peers_file),
+                "nats_user": identity, "nats_password_file": str(self.nats_password_file(identity))}
+
+    def nats_connect_options(self, identity: str = OPERATOR) -> dict:
+        """Keyword arguments for `nats.connect` as `identity` (the launcher's own clients use the operator)."""
+        options = {"user": identity, "password": self.nats_password(identity)}
+        if identity != OPERATOR:
+            options["inbox_prefix"] = inbox_for(identity)
+        return options
+
+    def bus_options(self, identity: str = OPERATOR) -> dict:
+        """Keyword arguments for `Bus.connect` as `identity`."""
+        return {"user": identity, "password": self.nats_password(identity)}
+
+    def nats_authorization(self) -> dict:
+        """The nats-server `authorization` block: one user per identity with its permissions."""
+        users = [{"user": i, "password": self.nats_password(i), "permissions": nats_permissions(i)}
+                 for i in IDENTITIES]
+        return {"users": users}
+
+    def route_credentials(self) -> tuple[str, str]:
+        return ROUTE_USER, self.nats_password(ROUTE_USER)
+
+
+def _stream_names() -> list[str]:
+    return [s.name for s in STREAMS]
+
+
+def _follow(stream: str) -> list[str]:
+    """An ephemeral pull consumer on `stream` (services.common.bus.follow): create, fetch, delete."""
+    return [f"{JS}.CONSUMER.CREATE.{stream}", f"{JS}.CONSUMER.CREATE.{stream}.>", f"{JS}.CONSUMER.MSG.NEXT.{stream}.*",
+            f"{JS}.CONSUMER.DELETE.{stream}.*", f"{JS}.CONSUMER.INFO.{stream}.*"]
+
+
+def _consume(durable: str) -> list[str]:
+    """Pull from a durable consumer (services.common.bus.consume): bind, fetch, ack / nak / in-progress / term."""
+    stream = CONSUMERS[durable].stream
+    return [f"{JS}.CONSUMER.INFO.{stream}.{durable}", f"{JS}.CONSUMER.MSG.NEXT.{stream}.{durable}",
+            f"$JS.ACK.{stream}.{durable}.>"]
+
+
+def _ordered_reader(stream: str) -> list[str]:
+    """An ordered push consumer (key-value keys, object-store reads): create, flow control, delete, direct gets."""
+    return [*_follow(stream), f"$JS.FC.{stream}.>", f"{JS}.STREAM.MSG.GET.{stream}", f"{JS}.DIRECT.GET.{stream}",
+            f"{JS}.DIRECT.GET.{stream}.>", f"{JS}.STREAM.INFO.{stream}"]
+
+
+def nats_permissions(identity: str) -> dict:
+    """The nats-server permissions of `identity`: publish (data subjects and JetStream API) and subscribe."""
+    if identity == OPERATOR:
+        return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
+    if identity not in SERVICES:
+        raise ValueError(f"identity: unknown {identity!r}")
+    streams = _stream_names()
+    pub = [f"{JS}.INFO", *(f"{JS}.STREAM.CREATE.{s}" for s in streams), *(f"{JS}.STREAM.INFO.{s}" for s in streams),
+           *(f"{JS}.CONSUMER.DURABLE.CREATE.{c.stream}.{c.durable}" for c in CONSUMERS.values())]
+    sub = [f"{inbox_for(identity)}.>"]
+    dlq = f"dlq.{identity}"
+    if identity == "builder":
+        pub += ["prompts.>", "batches.>", "events.version", dlq, "$KV.meshrl_builder.>", "$O.BATCH_BLOBS.>",
+                *(f"{JS}.STREAM.UPDATE.{s}" for s in streams), f"{JS}.STREAM.NAMES", f"{JS}.STREAM.MSG.GET.BATCHES",
+                f"{JS}.DIRECT.GET.BATCHES", f"{JS}.DIRECT.GET.BATCHES.>",
+                f"{JS}.STREAM.CREATE.{KV_STREAM}", f"{JS}.STREAM.CREATE.{OBJ_STREAM}",
+                f"{JS}.STREAM.PURGE.{OBJ_STREAM}", *_ordered_reader(KV_STREAM), *_ordered_reader(OBJ_STREAM),
+                *_consume("builder"), *_follow("EVENTS"), *_follow("DLQ")]
+    elif identity == "trainer":
+        pub += ["events.version", dlq, f"{JS}.STREAM.NAMES", f"{JS}.STREAM.MSG.GET.BATCHES", f"{JS}.DIRECT.GET.BATCHES",
+                f"{JS}.DIRECT.GET.BATCHES.>", *_ordered_reader(OBJ_STREAM)]
+        sub += ["batches.train.*"]     # the wake-up when the next batch is published (services.common.batches)
+    elif identity == "rollout":
+        pub += ["traj.raw", "traj.scored", dlq, *_consume("rollout"), *_follow("EVENTS")]
+    elif identity == "reward":
+        pub += ["traj.scored", dlq, *_consume("reward")]
+    elif identity == "weight_exchange":
+        pub += ["events.version"]
+    return {"publish": {"allow": pub}, "subscribe": {"allow": sub}}
+
+
+def _write_fragment(path: pathlib.Path, text: str) -> None:
+    """Write a nats-server config fragment holding passwords (mode 0600, atomically)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    _write_secret(tmp, text)
+    os.replace(tmp, path)
+
+
+def write_nats_include(creds: RunCredentials, path: pathlib.Path) -> None:
+    """The `authorization` block as a nats-server config fragment (mode 0600) for `include` in a nats.conf."""
+    _write_fragment(path, "authorization: " + json.dumps(creds.nats_authorization(), indent=1))
+
+
+def route_urls(creds: RunCredentials, routes: list[str]) -> list[str]:
+    """The cluster's route URLs with the route user's credentials (what every node dials)."""
+    user, password = creds.route_credentials()
+    out = []
+    for route in routes:
+        scheme, sep, rest = route.partition("://")
+        if not sep or not rest or "@" in rest:
+            raise ValueError(f"nats_routes: {route!r} is not a nats-route://host:port URL without credentials")
+        out.append(f"{scheme}://{user}:{password}@{rest}")
+    return out
+
+
+def write_nats_cluster_include(creds: RunCredentials, path: pathlib.Path, routes: list[str]) -> None:
+    """What goes inside a nats.conf `cluster { }` block: the routes' authorization and the route URLs with their
+    credentials (the password cannot be referenced from the public part of the configuration)."""
+    user, password = creds.route_credentials()
+    _write_fragment(path, "authorization: " + json.dumps({"user": user, "password": password}) + "\n"
+                    "routes: " + json.dumps(route_urls(creds, routes), indent=1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m services.common.credentials DIR [--nats-include FILE] [--nats-cluster-include FILE --nats-routes
+    URL,...]`: generate (or keep) a run's credentials in DIR and optionally write the nats-server users with their
+    permissions (and a cluster's route authorization) for deployments; prints no secret."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m services.common.credentials", description=main.__doc__)
+    parser.add_argument("directory", type=pathlib.Path)
+    parser.add_argument("--nats-include", type=pathlib.Path, help="write the nats-server authorization block here")
+    parser.add_argument("--nats-cluster-include", type=pathlib.Path,
+                        help="write the inside of a cluster block (route authorization and routes) here")
+    parser.add_argument("--nats-routes", default="", help="comma-separated nats-route://host:port of every node")
+    args = parser.parse_args(argv)
+    routes = [r.strip() for r in args.nats_routes.split(",") if r.strip()]
+    if bool(args.nats_cluster_include) != bool(routes):
+        parser.error("--nats-cluster-include and --nats-routes go together")
+    creds = RunCredentials.ensure(args.directory)
+    written = {}
+    if args.nats_include:
+        write_nats_include(creds, args.nats_include)
+        written["nats_include"] = str(args.nats_include)
+    if args.nats_cluster_include:
+        write_nats_cluster_include(creds, args.nats_cluster_include, routes)
+        written["nats_cluster_include"] = str(args.nats_cluster_include)
+    print(json.dumps({"directory": str(creds.directory), "identities": list(IDENTITIES),
+                      "peers_file": str(creds.peers_file), **written}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -3,6 +3,10 @@ with source: online, the same limit is announced to the gateway (OnlineBudget).
 
 Counts are in groups (one prompt work = one group of samples). A group that is dropped (stale or
 failed) releases its slot. eta = 0 is synchronous RL. Pure state, no I/O.
+
+Dynamic sampling (DAPO) refills through the same slots: a complete group whose rewards are all equal is
+filtered (`on_filtered`) and its slot goes to an extra prompt, so a batch keeps batch_size informative groups
+and the in-flight work never exceeds the budget. `refills` counts the extra prompts issued.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ class StalenessBudget(_Window):
     accepted: int = 0
     in_flight: int = 0
     dropped: int = 0
+    filtered: int = 0   # complete groups without reward variance (dynamic sampling), counted in `dropped` too
+    refills: int = 0    # prompts issued in the place of filtered groups
 
     def capacity(self) -> int:
         return max(0, self.limit - (self.accepted + self.in_flight))
@@ -44,8 +50,17 @@ class StalenessBudget(_Window):
         if self.capacity() <= 0:
             return False
         self.in_flight += 1
+        if self.refills < self.filtered:
+            self.refills += 1
         assert self.accepted + self.in_flight <= self.limit
         return True
+
+    def cancel_issue(self, *, refilled: bool) -> None:
+        """`try_issue` granted a slot but the prompt was not published: give it back."""
+        assert self.in_flight > 0
+        self.in_flight -= 1
+        if refilled:
+            self.refills -= 1
 
     def on_complete(self, *, accepted: bool) -> None:
         assert self.in_flight > 0, "completion without an issued group"
@@ -60,6 +75,11 @@ class StalenessBudget(_Window):
         assert self.accepted > 0
         self.accepted -= 1
         self.dropped += 1
+
+    def on_filtered(self) -> None:
+        """An accepted group has no reward variance (dynamic sampling): its slot goes to an extra prompt."""
+        self.on_unaccept()
+        self.filtered += 1
 
 
 @dataclasses.dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from services.builder.datasets import DatasetConfig
 from services.builder.tasks import SamplingConfig
 from services.common.config import ServiceConfig
 
@@ -23,6 +24,8 @@ class BuilderConfig(ServiceConfig):
     eval_every: int = 10          # versions between held-out evals (0: only before and after)
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
     eval_max_new_tokens: int = 8
+    dynamic_sampling: bool = False  # DAPO: drop groups of equal rewards, issue prompts in their place
+    dataset: DatasetConfig = dataclasses.field(default_factory=DatasetConfig)  # the run config's `dataset:`
 
     def __post_init__(self) -> None:
         if self.source not in ("dataset", "online"):

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 from services.common.contracts import data_pb2
+from services.common.staleness import oldest_version, staleness
 
 
 @dataclasses.dataclass
@@ -20,13 +22,20 @@ class Group:
     def complete(self) -> bool:
         return len(self.members) >= self.size
 
+    def versions(self) -> Iterator[int]:
+        return (v for t in self.members.values() for v in t.versions)
+
     def oldest_version(self) -> int | None:
-        versions = [v for t in self.members.values() for v in t.versions if v >= 0]
-        return min(versions) if versions else None
+        return oldest_version(self.versions())
 
     def staleness(self, train_version: int) -> int:
-        oldest = self.oldest_version()
-        return 0 if oldest is None else train_version - oldest
+        return staleness(self.versions(), train_version)
+
+
+def reward_varies(group: Group) -> bool:
+    """DAPO's dynamic-sampling test: at least two distinct rewards. A group of equal rewards (or of one sample)
+    has zero group-relative advantage everywhere and would train nothing."""
+    return len({t.reward for t in group.members.values()}) > 1
 
 
 class GroupAssembler:

@@ -2,6 +2,7 @@
 node, another pod) continues where the last one stopped.
 
 Keys: `issued` (train groups issued so far; group n is `g-<n>`, the n-th task of the seeded train stream),
+`refills` (how many of them were issued in the place of a group dynamic sampling filtered),
 `dropped.<group_id>` (a group that will never be trained, with its reason), `eval.<round_id>` (an eval round
 that was issued). What the streams already hold is not repeated here: versions come from replaying EVENTS,
 batched groups from BATCHES.
@@ -20,12 +21,13 @@ from services.common.bus import Bus, retry
 
 BUCKET = "meshrl_builder"
 _KEY_UNSAFE = re.compile(r"[^-/_=a-zA-Z0-9]")  # the value keeps the exact group id
+NO_VARIANCE = "no_reward_variance"  # the reason of a group dynamic sampling filtered
 
 
 @dataclasses.dataclass(frozen=True)
 class Dropped:
     group_id: str
-    reason: str       # "stale", "dead_letter:<consumer>"
+    reason: str       # "stale", "dead_letter:<consumer>", NO_VARIANCE
     source: str       # "workflow" or "gateway"
     trajectories: int
 
@@ -41,6 +43,7 @@ class IssuedEval:
 @dataclasses.dataclass
 class LedgerState:
     issued: int = 0
+    refills: int = 0
     dropped: dict[str, Dropped] = dataclasses.field(default_factory=dict)
     evals: dict[int, IssuedEval] = dataclasses.field(default_factory=dict)
 
@@ -67,6 +70,8 @@ class Ledger:
             record = json.loads(value.value)
             if key == "issued":
                 state.issued = int(record)
+            elif key == "refills":
+                state.refills = int(record)
             elif key.startswith("dropped."):
                 state.dropped[record["group_id"]] = Dropped(**record)
             elif key.startswith("eval."):
@@ -74,13 +79,14 @@ class Ledger:
         return state
 
     async def _keys(self) -> list[str]:
-        try:
-            return await self.kv.keys()
-        except nats.js.errors.NoKeysError:
-            return []
+        prefix = f"$KV.{BUCKET}."
+        return [s.removeprefix(prefix) for s in await self.bus.stream_subjects(f"KV_{BUCKET}", prefix + ">")]
 
     async def set_issued(self, n: int) -> None:
         await self._put("issued", n)
+
+    async def set_refills(self, n: int) -> None:
+        await self._put("refills", n)
 
     async def add_dropped(self, dropped: Dropped) -> None:
         await self._put("dropped." + _KEY_UNSAFE.sub("_", dropped.group_id), dataclasses.asdict(dropped))

@@ -13,11 +13,12 @@ from transformers import AutoTokenizer
 
 from services.builder.admission import OnlineBudget, StalenessBudget
 from services.builder.config import BuilderConfig
-from services.builder.datasets import generate_split
+from services.builder.datasets import shuffled_epochs
 from services.builder.evaluation import EvalRound, EvalTracker
-from services.builder.grouping import Group, GroupAssembler, assemble_batch
-from services.builder.ledger import Dropped, IssuedEval, Ledger
-from services.builder.tasks import make_work, train_stream
+from services.builder.grouping import Group, GroupAssembler, assemble_batch, reward_varies
+from services.builder.ledger import NO_VARIANCE, Dropped, IssuedEval, Ledger
+from services.builder.tasks import make_work
+from services.common.auth import nats_credentials, server_security
 from services.common.batches import publish_batch, published_batches
 from services.common.bus import (
     CONSUMERS,
@@ -41,15 +42,23 @@ ISSUED = prometheus_client.Counter("meshrl_builder_groups_issued_total", "Prompt
 BATCHES = prometheus_client.Counter("meshrl_builder_batches_total", "Training batches published")
 DROPPED = prometheus_client.Counter("meshrl_builder_dropped_stale_total", "Trajectories dropped as stale")
 CAPACITY = prometheus_client.Gauge("meshrl_builder_capacity", "Groups that may still be admitted")
+GROUPS_FILTERED = prometheus_client.Counter("meshrl_builder_groups_filtered_total",
+                                            "Groups without reward variance dropped by dynamic sampling")
+EXTRA_PROMPTS = prometheus_client.Counter("meshrl_builder_extra_prompts_total",
+                                          "Prompt groups issued in the place of filtered ones")
+PROMPTS_FILTERED = prometheus_client.Gauge("meshrl_builder_prompts_filtered",
+                                          "Dataset rows dropped for prompts over dataset.max_prompt_tokens", ["split"])
 GATEWAY_LIMIT = prometheus_client.Gauge("meshrl_builder_online_limit_groups",
                                         "Online groups the gateway may admit in all (limit + released)")
 
 
 class Builder:
     def __init__(self, config: BuilderConfig, bus: Bus, encode, stop_token_ids: list[int]) -> None:
+        """``encode``: a task's prompt token ids (``config.dataset.encoder(tokenizer)``)."""
         self.config = config
         self.bus = bus
         self.encode = encode
+        self.log = get_logger()
         self.train_sampling = config.sampling.to_proto(stop_token_ids)
         self.eval_sampling = data_pb2.SamplingParams(temperature=0.0, top_p=1.0,
                                                      max_new_tokens=config.eval_max_new_tokens,
@@ -59,12 +68,22 @@ class Builder:
         self.online = OnlineBudget(config.batch_size, config.max_staleness) if config.source == "online" else None
         self.assembler = GroupAssembler()
         self.evals = EvalTracker(config.eval_every)
-        self.eval_tasks = generate_split("eval", config.eval_size, config.seed)
-        self.train = train_stream(config.train_size, config.seed)
+        data = config.dataset.build(seed=config.seed, train_size=config.train_size, eval_size=config.eval_size)
+        data = data.filtered(lambda task: len(encode(task)), config.dataset.max_prompt_tokens)
+        self.prompts_filtered = data.dropped
+        for split, n in data.dropped.items():
+            PROMPTS_FILTERED.labels(split=split).set(n)
+        self.log.info("dataset_loaded", source=config.dataset.kind, train=len(data.train), eval=len(data.eval),
+                      filtered_train=data.dropped["train"], filtered_eval=data.dropped["eval"])
+        self.eval_tasks = data.eval
+        self.train = shuffled_epochs(data.train, config.seed)
         self.ledger = Ledger(bus)
         self.dead_letters = DeadLetterWatch(bus)
         self.groups_dropped = 0
         self.consumed_groups: set[str] = set()
+        # the budget event last counted per group ("complete", "filtered"): a handler that failed after counting
+        # (a NATS node lost mid-write) sees its group again on redelivery and must not count it twice
+        self.counted: dict[str, str] = {}
         self.eval_acks: dict[int, list] = {}   # eval results held (unacked) until their round's event is out
         self.flush_lock = asyncio.Lock()        # one batch index is built at a time
         self.live = asyncio.Event()             # set once the state is recovered and the events replayed
@@ -80,7 +99,6 @@ class Builder:
         self.final_round: EvalRound | None = None
         self.run_end_seen = False
         self.finished = asyncio.Event()
-        self.log = get_logger()
 
     # issuing ------------------------------------------------------------------------------------------
     @property
@@ -115,6 +133,7 @@ class Builder:
         if self.evals.due(version) and self.deployed_version >= version and not self.evals.pending:
             await self.issue_eval(version)
             return True
+        refills = self.budget.refills
         if not self.admitting.is_set() or self.train_target_reached or not self.budget.try_issue():
             CAPACITY.set(self.budget.capacity())
             return False
@@ -123,10 +142,19 @@ class Builder:
         work = make_work(task, work_id=group_id, group_id=group_id, group_size=self.config.group_size,
                          encode=self.encode, sampling=self.train_sampling, version=version, split="train",
                          issued_at=now())
-        await self.bus.publish(SUBJECT_PROMPTS, work, work.work_id)
+        try:
+            await self.bus.publish(SUBJECT_PROMPTS, work, work.work_id)
+        except BaseException:
+            # not issued (the next attempt publishes the same id again, deduplicated if this one was stored):
+            # its slot is not in flight
+            self.budget.cancel_issue(refilled=self.budget.refills > refills)
+            raise
         self.issued += 1
         await self.ledger.set_issued(self.issued)
         ISSUED.inc()
+        if self.budget.refills > refills:  # this prompt takes the slot of a filtered group
+            await self.ledger.set_refills(self.budget.refills)
+            EXTRA_PROMPTS.inc()
         return True
 
     async def issue_eval(self, version: int, *, final: bool = False) -> EvalRound:
@@ -168,10 +196,27 @@ class Builder:
         self.received += len(group.members)
         self.reward_sum += sum(t.reward for t in group.members.values())
         if traj.source == "workflow":
-            self.budget.on_complete(accepted=True)
+            if group.group_id not in self.counted:
+                self.counted[group.group_id] = "complete"
+                self.budget.on_complete(accepted=True)
+            if self.config.dynamic_sampling and not reward_varies(group):
+                await self._filter(group)
+                return
         elif self.online is not None:
             self.online.arrived += 1
         await self.flush_batches()
+        self.changed.set()
+
+    async def _filter(self, group: Group) -> None:
+        """Dynamic sampling: a workflow group of equal rewards never reaches a batch; it is recorded like a
+        dropped group (before its messages are acked) and its budget slot goes to an extra prompt."""
+        self.assembler.forget(group.group_id)  # before any await: no concurrent flush may batch it
+        await self.ledger.add_dropped(Dropped(group.group_id, NO_VARIANCE, "workflow", len(group.members)))
+        await self._retire(group)
+        if self.counted.get(group.group_id) != "filtered":
+            self.counted[group.group_id] = "filtered"
+            self.budget.on_filtered()
+            GROUPS_FILTERED.inc()
         self.changed.set()
 
     async def flush_batches(self) -> None:
@@ -347,13 +392,15 @@ class Builder:
         self.consumed_groups = {g for b in batches for g in b.group_ids} | set(ledger.dropped)
         batched = sum(len(b.group_ids) for b in batches)
         self.received = sum(len(b.trajectory_ids) for b in batches) + sum(d.trajectories for d in ledger.dropped.values())
-        self.dropped_stale = sum(d.trajectories for d in ledger.dropped.values())
-        self.groups_dropped = len(ledger.dropped)
+        filtered = [d for d in ledger.dropped.values() if d.reason == NO_VARIANCE]
+        self.dropped_stale = sum(d.trajectories for d in ledger.dropped.values()) - sum(d.trajectories for d in filtered)
+        self.groups_dropped = len(ledger.dropped) - len(filtered)
         dropped_workflow = sum(1 for d in ledger.dropped.values() if d.source == "workflow")
         if self.online is None:
             self.issued = ledger.issued
             self.budget.accepted = batched
             self.budget.dropped = dropped_workflow
+            self.budget.filtered, self.budget.refills = len(filtered), min(ledger.refills, len(filtered))
             self.budget.in_flight = max(0, self.issued - batched - dropped_workflow)
             self.train = itertools.islice(self.train, self.issued, None)
         else:
@@ -417,7 +464,7 @@ class Builder:
             trajectories_dropped_stale=self.dropped_stale, capacity=b.capacity(),
             paused=not self.admitting.is_set(), mean_reward=self.reward_sum / self.received if self.received else 0.0,
             dead_letters=self.dead_letters.counts, dead_lettered=sum(self.dead_letters.counts.values()),
-            groups_dropped=self.groups_dropped)
+            groups_dropped=self.groups_dropped, groups_filtered=b.filtered, extra_prompts_issued=b.refills)
 
 
 class BuilderServicer(builder_pb2_grpc.BuilderServiceServicer):
@@ -439,12 +486,13 @@ class BuilderServicer(builder_pb2_grpc.BuilderServiceServicer):
 
 async def serve(config: BuilderConfig, stop: asyncio.Event) -> None:
     tokenizer = AutoTokenizer.from_pretrained(config.model_path)
-    bus = await Bus.connect(config.nats_url, name="builder", replicas=config.nats_replicas)
-    builder = Builder(config, bus, lambda text: tokenizer.encode(text, add_special_tokens=False),
-                      [tokenizer.eos_token_id])
+    encode = config.dataset.encoder(tokenizer)
+    bus = await Bus.connect(config.nats_url, name="builder", replicas=config.nats_replicas,
+                            **nats_credentials(config))
+    builder = Builder(config, bus, encode, [tokenizer.eos_token_id])
     rpc = await start_server(config.grpc_address, [Servicer(
         builder_pb2_grpc.add_BuilderServiceServicer_to_server, BuilderServicer(builder),
-        builder_pb2.DESCRIPTOR.services_by_name["BuilderService"].full_name)], auth_token=config.auth_token)
+        builder_pb2.DESCRIPTOR.services_by_name["BuilderService"].full_name)], security=server_security(config))
     get_logger().info("serving", grpc_port=rpc.port, batch_size=config.batch_size, eta=config.max_staleness)
     tasks = builder.start(stop)
     supervise(tasks, stop)

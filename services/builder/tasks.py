@@ -1,14 +1,24 @@
-"""Turning dataset tasks into prompt work. No I/O."""
+"""Turning dataset tasks into prompt work. No I/O.
+
+PromptWork.metadata (msgpack map), what the reward service grades with:
+- ``answer`` (str): the reference answer;
+- ``verifier`` (str): math | exact | regex | reasoning_gym:<family> | a plugin name (a row's own overrides
+  the dataset's);
+- ``verifier_options`` (map), ``shaping`` (list of maps with a ``name``), ``extract`` (last_number | tag |
+  all): only when configured (the arithmetic default sends ``extract: last_number``);
+- ``rg_entry`` (map: question, answer, metadata): reasoning-gym tasks, for the family's own scorer;
+- ``row`` (map): a file row's free-form metadata, kept under its own key so it never shadows the keys above;
+- the builder's own keys (``eval_round``).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import random
 from collections.abc import Callable, Iterator
 
 import msgpack
 
-from services.builder.datasets import Task, generate_split
+from services.builder.datasets import Task, generate_split, shuffled_epochs
 from services.common.contracts import data_pb2
 
 
@@ -26,19 +36,15 @@ class SamplingConfig:
 
 def train_stream(num: int, seed: int) -> Iterator[Task]:
     """Cycle over the train split, reshuffled every epoch."""
-    tasks = generate_split("train", num, seed)
-    rng = random.Random(seed)
-    while True:
-        order = list(tasks)
-        rng.shuffle(order)
-        yield from order
+    return shuffled_epochs(generate_split("train", num, seed), seed)
 
 
-def make_work(task: Task, *, work_id: str, group_id: str, group_size: int, encode: Callable[[str], list[int]],
+def make_work(task: Task, *, work_id: str, group_id: str, group_size: int, encode: Callable[[Task], list[int]],
               sampling: data_pb2.SamplingParams, version: int, split: str, issued_at: float,
               extra: dict | None = None) -> data_pb2.PromptWork:
-    metadata = {"answer": task.answer, "verifier": "math", "extract": "last_number", **(extra or {})}
+    """``encode`` renders the task's prompt into token ids (see ``DatasetConfig.encoder``)."""
+    metadata = {"answer": task.answer, **task.metadata, **(extra or {})}
     return data_pb2.PromptWork(
-        work_id=work_id, task_id=task.task_id, group_id=group_id, prompt_ids=encode(task.prompt),
+        work_id=work_id, task_id=task.task_id, group_id=group_id, prompt_ids=encode(task),
         group_size=group_size, sampling=sampling, issued_version=version, issued_at=issued_at,
         metadata=msgpack.packb(metadata), split=split)

@@ -99,3 +99,15 @@ def test_simulated_pipeline_never_trains_beyond_eta(seed: int):
             trainer_version = index
             budget.on_version(trainer_version)
     assert index > 10, "the pipeline made progress"
+
+
+def test_a_slot_whose_prompt_was_not_published_is_given_back():
+    b = StalenessBudget(batch_size=2, max_staleness=0)
+    assert b.try_issue() and b.try_issue() and not b.try_issue()
+    b.cancel_issue(refilled=False)               # the publish failed: the slot is free again
+    assert (b.in_flight, b.capacity()) == (1, 1) and b.try_issue()
+    b.on_complete(accepted=True)
+    b.on_filtered()                              # its slot goes to an extra prompt (a refill)
+    assert b.try_issue() and b.refills == 1
+    b.cancel_issue(refilled=True)                # that refill was not published either
+    assert (b.refills, b.in_flight, b.capacity()) == (0, 1, 1)

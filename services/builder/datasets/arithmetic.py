@@ -13,7 +13,8 @@ from __future__ import annotations
 import hashlib
 import random
 import re
-from dataclasses import dataclass
+
+from services.builder.datasets.task import Task
 
 SPLITS = ("train", "eval")
 # Operands are drawn uniformly from [MIN_OPERAND, MAX_OPERAND].
@@ -23,13 +24,8 @@ MAX_OPERAND = 99
 EVAL_MODULUS = 10
 
 _INT_RE = re.compile(r"-?\d+")
-
-
-@dataclass(frozen=True)
-class Task:
-    task_id: str
-    prompt: str
-    answer: str
+# How the reward service grades a completion: the last integer in it, checked with math-verify.
+GRADING = {"verifier": "math", "extract": "last_number"}
 
 
 def _problem_text(a: int, b: int) -> str:
@@ -43,7 +39,7 @@ def split_of(a: int, b: int) -> str:
 
 
 def make_task(a: int, b: int) -> Task:
-    return Task(task_id=f"add-{a}-{b}", prompt=_problem_text(a, b), answer=str(a + b))
+    return Task(task_id=f"add-{a}-{b}", prompt=_problem_text(a, b), answer=str(a + b), metadata=dict(GRADING))
 
 
 def generate_split(split: str, num: int, seed: int) -> list[Task]:

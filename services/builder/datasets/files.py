@@ -1,0 +1,85 @@
+"""Reading rows from files: JSONL, Parquet and directories written by ``datasets.save_to_disk``.
+
+Each reader yields ``(where, row)`` pairs, ``where`` naming the file and line (or row) for error messages.
+JSONL is read line by line with the standard library so a bad line is reported with its number;
+Parquet through pyarrow and saved directories through ``datasets`` (both imported only when used).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Iterator
+from typing import Any
+
+FILE_SOURCES = ("jsonl", "parquet", "disk")
+
+
+def infer_source(path: str) -> str:
+    """The file source a path names, from its suffix (a directory: ``disk``)."""
+    p = pathlib.Path(path)
+    if p.is_dir():
+        return "disk"
+    if p.suffix in (".jsonl", ".json", ".ndjson"):
+        return "jsonl"
+    if p.suffix in (".parquet", ".pq"):
+        return "parquet"
+    raise ValueError(f"{path}: cannot tell the source from the name (.jsonl, .parquet or a save_to_disk "
+                     f"directory); set dataset.source")
+
+
+def read_rows(source: str, path: str, *, split: str = "train") -> Iterator[tuple[str, Any]]:
+    """The rows of the file at ``path``; ``split`` picks one split of a saved ``DatasetDict``."""
+    if not pathlib.Path(path).exists():
+        raise ValueError(f"{path}: no such file or directory")
+    if source == "jsonl":
+        return _jsonl(path)
+    if source == "parquet":
+        return _parquet(path)
+    if source == "disk":
+        return _disk(path, split)
+    raise ValueError(f"source: unknown {source!r} (known: {', '.join(FILE_SOURCES)})")
+
+
+def _jsonl(path: str) -> Iterator[tuple[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{n}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
+            yield f"{path}:{n}", row
+
+
+def _parquet(path: str) -> Iterator[tuple[str, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for unreadable files
+        raise ValueError(f"{path}: not a readable Parquet file ({exc})") from exc
+    for n, row in enumerate(table.to_pylist(), start=1):
+        yield f"{path}:row {n}", row
+
+
+def _disk(path: str, split: str) -> Iterator[tuple[str, Any]]:
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(path)
+    except FileNotFoundError as exc:
+        raise ValueError(f"{path}: not a directory written by datasets.save_to_disk ({exc})") from exc
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise ValueError(f"{path}: has no split {split!r} (splits: {', '.join(loaded)})")
+        loaded, path = loaded[split], f"{path}[{split}]"
+    for n, row in enumerate(loaded, start=1):
+        yield f"{path}:row {n}", row
+
+
+def disk_splits(path: str) -> list[str]:
+    """The split names of a saved ``DatasetDict`` (empty for a single saved ``Dataset``)."""
+    index = pathlib.Path(path) / "dataset_dict.json"
+    return list(json.loads(index.read_text()).get("splits", [])) if index.is_file() else []

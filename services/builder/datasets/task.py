@@ -1,0 +1,23 @@
+"""The unit every dataset source yields."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One prompt and how to grade it.
+
+    A task has a ``prompt`` string or, for chat datasets, ``messages`` (a list of ``{"role", "content"}``
+    dicts ending with the user's turn). ``metadata`` is what the reward service reads besides the answer
+    (``verifier``, ``extract``, ``verifier_options``, ``shaping``, ``row``, ``rg_entry``; see
+    ``services.builder.tasks.make_work``).
+    """
+
+    task_id: str
+    prompt: str
+    answer: str
+    messages: list[dict[str, Any]] | None = dataclasses.field(default=None, hash=False)
+    metadata: dict[str, Any] = dataclasses.field(default_factory=lambda: {"verifier": "math"}, hash=False)

@@ -1,8 +1,13 @@
-"""Scoring a trajectory: validate, decode, pick the verifier, set the reward. No I/O.
+"""Scoring a trajectory: validate, decode, pick the verifier, check the task, verify, add shaping terms. No I/O.
 
-Verifiers marked `isolated` (math-verify) run in worker processes with a deadline (`timeout_s`): a verification
-that passes it scores 0 with the reason "timeout". `score` blocks the calling thread at most that long;
-`score_async` keeps the event loop free (the consumer should await it).
+The task is the trajectory's msgpack metadata: `answer`, `verifier` (a name from the registry; else the trajectory's
+`verifier` field, else the service default), optional `verifier_options`, `extract`, `shaping` and, for
+reasoning-gym verifiers, `rg_entry`. Everything in it is checked before any verifier runs; a ValueError (an
+InvalidMessage for trajectories, which dead-letters them) names the field.
+
+Verifiers marked `isolated` (math-verify, reasoning-gym scorers, plugins) run in worker processes with a deadline
+(`timeout_s`): a verification that passes it scores 0 with the reason "timeout". `score` blocks the calling thread
+at most that long; `score_async` keeps the event loop free (the consumer should await it).
 """
 
 from __future__ import annotations
@@ -18,8 +23,7 @@ import msgpack
 from services.common.bus import InvalidMessage
 from services.common.contracts import data_pb2
 from services.common.ids import now
-from services.reward.verifiers import Verdict, Verifier, build_verifier
-from services.reward.verifiers.base import check_task
+from services.reward.verifiers import Verdict, Verifier, build_verifier, shaping
 from services.reward.verifiers.pool import VerifierPool, shared_pool
 
 DEFAULT_TIMEOUT_S = 10.0
@@ -62,17 +66,19 @@ def validate_trajectory(traj: data_pb2.Trajectory, vocab_size: int | None = None
 
 class Scorer:
     def __init__(self, decode: Callable[[list[int]], str], default_verifier: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 vocab_size: int | None = None, pool: VerifierPool | None = None) -> None:
+                 vocab_size: int | None = None, pool: VerifierPool | None = None,
+                 count_tokens: Callable[[str], int] | None = None) -> None:
         self.decode = decode
         self.default = default_verifier
         self.timeout_s = timeout_s
         self.vocab_size = vocab_size
+        self.count_tokens = count_tokens  # for length shaping in max_tokens on a bare text (Score)
         self._pool = pool
         self._verifiers: dict[str, Verifier] = {}
 
-    def verifier(self, name: str) -> Verifier:
+    def verifier(self, name: str, field: str = "verifier") -> Verifier:
         if name not in self._verifiers:
-            self._verifiers[name] = build_verifier(name)
+            self._verifiers[name] = build_verifier(name, field)
         return self._verifiers[name]
 
     @property
@@ -81,14 +87,20 @@ class Scorer:
             self._pool = shared_pool()
         return self._pool
 
-    def score_text(self, verifier: str, response: str, task: Mapping[str, Any]) -> Verdict:
-        """ValueError naming the field for a task no verifier can score; a verification past the deadline is 0."""
+    def score_text(self, verifier: str, response: str, task: Mapping[str, Any], *, n_tokens: int | None = None,
+                   field: str = "verifier") -> Verdict:
+        """ValueError naming the field for a task no verifier can score; a verification past the deadline is 0.
+        `field` names where the verifier's name came from, for the error."""
         name = verifier or self.default
-        v = self.verifier(name)
-        if not getattr(v, "isolated", False):
-            return v.score(response, task)
-        check_task(task)
-        return self.pool.score(name, response, task, self.timeout_s)
+        v = self.verifier(name, field)
+        v.check(task)
+        terms = shaping.parse_shaping(task.get("shaping"))
+        if shaping.needs_tokens(terms) and n_tokens is None:
+            if self.count_tokens is None:
+                raise ValueError("metadata.shaping: max_tokens needs a token count here (use max_chars)")
+            n_tokens = self.count_tokens(response)
+        verdict = self.pool.score(name, response, task, self.timeout_s) if v.isolated else v.score(response, task)
+        return shaping.apply(terms, verdict, response, n_tokens)
 
     async def score_text_async(self, verifier: str, response: str, task: Mapping[str, Any]) -> Verdict:
         return await asyncio.to_thread(self.score_text, verifier, response, task)
@@ -96,13 +108,17 @@ class Scorer:
     def score(self, traj: data_pb2.Trajectory) -> data_pb2.Trajectory:
         validate_trajectory(traj, self.vocab_size)
         task = decode_metadata(traj.metadata)
-        name = str(task.get("verifier") or self.default)
+        name, field = task.get("verifier"), "metadata.verifier"
+        if not name:
+            name, field = traj.verifier or self.default, "verifier"
+        if not isinstance(name, str):
+            raise InvalidMessage(f"{field}: must be a string, got {name!r}")
         try:
             text = self.decode(list(traj.completion_ids))
         except Exception as exc:  # noqa: BLE001 - whatever the tokenizer refuses, this message can never be scored
             raise InvalidMessage(f"completion_ids: cannot be decoded ({type(exc).__name__}: {exc})") from exc
         try:
-            verdict = self.score_text(name, text, task)
+            verdict = self.score_text(name, text, task, n_tokens=len(traj.completion_ids), field=field)
         except ValueError as exc:
             raise InvalidMessage(str(exc)) from exc
         scored = data_pb2.Trajectory()

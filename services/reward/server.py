@@ -7,14 +7,16 @@ import asyncio
 import prometheus_client
 from transformers import AutoTokenizer
 
+from services.common.auth import nats_credentials, server_security
 from services.common.bus import SUBJECT_TRAJ_SCORED, Bus, consume, decoder
 from services.common.contracts import data_pb2, reward_pb2, reward_pb2_grpc
 from services.common.deadletters import DeadLetterWatch
 from services.common.logging import get_logger
 from services.common.rpc import Servicer, invalid_argument, start_server
+from services.reward import sandbox
 from services.reward.config import RewardConfig
 from services.reward.scoring import Scorer, decode_metadata
-from services.reward.verifiers import VERIFIERS
+from services.reward.verifiers import build_verifier, verifier_names
 
 SCORED = prometheus_client.Counter("meshrl_reward_scored_total", "Trajectories scored")
 REWARD = prometheus_client.Summary("meshrl_reward_value", "Rewards given")
@@ -27,17 +29,17 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         self.dead_letters = dead_letters
 
     async def Score(self, request, context):
-        if request.verifier and request.verifier not in VERIFIERS:
-            await invalid_argument(context, "verifier", f"unknown {request.verifier!r}")
         try:
             task = decode_metadata(request.metadata)
-            verdict = self.scorer.score_text(request.verifier, request.response, task)
-        except ValueError as exc:
-            await invalid_argument(context, "metadata", str(exc))
+            verdict = await self.scorer.score_text_async(request.verifier, request.response, task)
+        except ValueError as exc:  # the message names the field: verifier, metadata, metadata.<key>...
+            field, _, problem = str(exc).partition(": ")
+            await invalid_argument(context, field, problem)
         return reward_pb2.ScoreReply(reward=verdict.reward, detail=verdict.detail)
 
     async def ListVerifiers(self, request, context):
-        return reward_pb2.ListVerifiersReply(verifiers=sorted(VERIFIERS))
+        """Built-ins, `reasoning_gym:<family>` for every reasoning-gym family, and installed plugins."""
+        return reward_pb2.ListVerifiersReply(verifiers=await asyncio.to_thread(verifier_names))
 
     async def Status(self, request, context):
         n = self.stats["scored"]
@@ -48,12 +50,17 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
 
 async def serve(config: RewardConfig, stop: asyncio.Event) -> None:
     tokenizer = AutoTokenizer.from_pretrained(config.model_path)
-    scorer = Scorer(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), config.default_verifier)
+    build_verifier(config.default_verifier, "default_verifier")  # a misspelt default stops start-up
+    sandbox.configure(config.sandbox)  # code verifiers check bwrap when first built, never run unsandboxed
+    pool = config.verifier_pool.build()
+    scorer = Scorer(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), config.default_verifier,
+                    timeout_s=config.verifier_pool.timeout_s, pool=pool,
+                    count_tokens=lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
     stats = {"scored": 0.0, "reward_sum": 0.0}
-    bus = await Bus.connect(config.nats_url, name="reward", replicas=config.nats_replicas)
+    bus = await Bus.connect(config.nats_url, name="reward", replicas=config.nats_replicas, **nats_credentials(config))
 
     async def handle(traj: data_pb2.Trajectory) -> None:
-        scored = scorer.score(traj)
+        scored = await scorer.score_async(traj)
         await bus.publish(SUBJECT_TRAJ_SCORED, scored, scored.trajectory_id)
         stats["scored"] += 1
         stats["reward_sum"] += scored.reward
@@ -64,10 +71,11 @@ async def serve(config: RewardConfig, stop: asyncio.Event) -> None:
     servicer = RewardServicer(scorer, stats, dead_letters)
     rpc = await start_server(config.grpc_address, [Servicer(
         reward_pb2_grpc.add_RewardServiceServicer_to_server, servicer,
-        reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name)], auth_token=config.auth_token)
+        reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name)], security=server_security(config))
     get_logger().info("serving", grpc_port=rpc.port)
     watch = asyncio.create_task(dead_letters.run(stop))
     await consume(bus, "reward", decoder(data_pb2.Trajectory), handle, stop, concurrency=config.concurrency)
     await watch
     await rpc.stop()
     await bus.close()
+    pool.close()

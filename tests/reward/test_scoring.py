@@ -61,3 +61,27 @@ def test_bad_trajectories_are_invalid_messages_naming_the_field(traj, field):
     scorer = Scorer(lambda ids: "1", "math")
     with pytest.raises(InvalidMessage, match=field):
         scorer.score(traj)
+
+
+def test_the_verifier_comes_from_metadata_then_the_trajectory_then_the_default():
+    scorer = Scorer(lambda ids: "Yes", "math")
+    traj = _traj([1], {"answer": "yes", "verifier": "exact", "verifier_options": {"casefold": True}})
+    assert scorer.score(traj).reward == 1.0 and scorer.score(traj).verifier == "exact"
+    traj = _traj([1], {"answer": "yes", "verifier_options": {"casefold": True}})
+    traj.verifier = "exact"
+    assert scorer.score(traj).verifier == "exact"
+    with pytest.raises(InvalidMessage, match="metadata.verifier: unknown 'exactly'"):
+        scorer.score(_traj([1], {"answer": "yes", "verifier": "exactly"}))
+    traj.verifier = "exactly"
+    with pytest.raises(InvalidMessage, match="^verifier: unknown 'exactly'"):
+        scorer.score(traj)
+
+
+def test_the_pool_config_names_the_bad_key():
+    from services.common.config import ConfigError, load_config
+    from services.reward.config import RewardConfig
+
+    env = {"MESHRL_REWARD__VERIFIER_POOL__WORKERS": "3"}
+    assert load_config(RewardConfig, "reward", env=env).verifier_pool.workers == 3
+    with pytest.raises(ConfigError, match="reward.verifier_pool: timeout_s: must be > 0"):
+        load_config(RewardConfig, "reward", env={"MESHRL_REWARD__VERIFIER_POOL__TIMEOUT_S": "0"})

@@ -72,3 +72,17 @@ def test_a_tokenizer_that_cannot_decode_the_ids_makes_an_invalid_message(pool):
 
     with pytest.raises(InvalidMessage, match="completion_ids"):
         Scorer(decode, "math", pool=pool).score(traj())
+
+
+def test_reasoning_gym_scorers_run_in_the_workers(pool):
+    import reasoning_gym
+
+    entry = reasoning_gym.create_dataset("basic_arithmetic", seed=5, size=1)[0]
+    meta = {"answer": entry["answer"], "verifier": "reasoning_gym:basic_arithmetic", "rg_entry": entry}
+    text = f"It is {entry['answer']}"
+    scorer = Scorer(lambda ids: text, "math", timeout_s=30, pool=pool)
+    right = scorer.score(traj(metadata=msgpack.packb({**meta, "extract": "last_number"})))
+    assert right.reward == 1.0 and right.verifier == "reasoning_gym:basic_arithmetic"
+    assert scorer.score(traj(metadata=msgpack.packb(meta))).reward < 1.0  # extract "all": the whole sentence
+    with pytest.raises(InvalidMessage, match="metadata.rg_entry: missing"):
+        scorer.score(traj(metadata=msgpack.packb({**meta, "rg_entry": None})))

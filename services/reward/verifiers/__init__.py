@@ -1,18 +1,8 @@
-"""Verifiers by name: each scores a response text against the task's metadata."""
+"""Verifiers by name: each scores a response text against the task's metadata (see registry.py)."""
 
 from __future__ import annotations
 
 from services.reward.verifiers.base import Verdict, Verifier
-from services.reward.verifiers.exact import ExactMatchVerifier
-from services.reward.verifiers.math import MathVerifier
+from services.reward.verifiers.registry import BUILTIN, build_verifier, verifier_names
 
-VERIFIERS: dict[str, type[Verifier]] = {"math": MathVerifier, "exact": ExactMatchVerifier}
-
-
-def build_verifier(name: str) -> Verifier:
-    if name not in VERIFIERS:
-        raise ValueError(f"verifier: unknown {name!r} (known: {', '.join(sorted(VERIFIERS))})")
-    return VERIFIERS[name]()
-
-
-__all__ = ["VERIFIERS", "Verdict", "Verifier", "build_verifier"]
+__all__ = ["BUILTIN", "Verdict", "Verifier", "build_verifier", "verifier_names"]

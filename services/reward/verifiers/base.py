@@ -1,14 +1,16 @@
-"""The verifier interface and answer extraction shared by verifiers."""
+"""The verifier interface, answer extraction and option parsing shared by verifiers."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,8 +19,19 @@ class Verdict:
     detail: str
 
 
+@dataclasses.dataclass(frozen=True)
+class NoOptions:
+    """For verifiers that take no `verifier_options`."""
+
+
 class Verifier(Protocol):
+    """`check` raises ValueError naming the field for a task this verifier can never score (run before any work);
+    `isolated` verifiers may be slow and run in worker processes with a deadline (pool.py)."""
+
     name: str
+    isolated: bool
+
+    def check(self, task: Mapping[str, Any]) -> None: ...
 
     def score(self, response: str, task: Mapping[str, Any]) -> Verdict: ...
 
@@ -33,12 +46,17 @@ def reference_answer(task: Mapping[str, Any]) -> str:
 EXTRACTS = ("last_number", "tag", "all")
 
 
-def check_task(task: Mapping[str, Any]) -> None:
-    """ValueError naming the field when no verifier could score against `task` (checked before any work)."""
-    reference_answer(task)
+def extract_mode(task: Mapping[str, Any]) -> str:
     how = str(task.get("extract", "all"))
     if how not in EXTRACTS:
         raise ValueError(f"metadata.extract: unknown {how!r} (known: {', '.join(EXTRACTS)})")
+    return how
+
+
+def check_task(task: Mapping[str, Any]) -> None:
+    """ValueError naming the field when no answer-matching verifier could score against `task`."""
+    reference_answer(task)
+    extract_mode(task)
 
 
 def extract(response: str, how: str) -> str | None:
@@ -52,3 +70,31 @@ def extract(response: str, how: str) -> str | None:
     if how == "all":
         return response.strip()
     raise ValueError(f"metadata.extract: unknown {how!r} (known: last_number, tag, all)")
+
+
+def parse_options(cls: type[T], raw: Any, field: str) -> T:
+    """A frozen options dataclass from a msgpack map; every field needs a default, whose type the value must have
+    (an int is accepted for a float). ValueError naming `field.<key>` for unknown keys and wrong types."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{field}: must be a map, got {type(raw).__name__}")
+    known = {f.name: f.default for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in raw.items():
+        if key not in known:
+            raise ValueError(f"{field}.{key}: unknown option (known: {', '.join(known) or 'none'})")
+        values[key] = _typed(value, known[key], f"{field}.{key}")
+    return cls(**values)
+
+
+def _typed(value: Any, default: Any, field: str) -> Any:
+    if isinstance(default, bool):
+        if isinstance(value, bool):
+            return value
+    elif isinstance(default, float):
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+    elif isinstance(value, type(default)) and not isinstance(value, bool):
+        return value
+    raise ValueError(f"{field}: must be {type(default).__name__}, got {value!r}")

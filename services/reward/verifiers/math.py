@@ -7,7 +7,15 @@ from typing import Any
 
 import math_verify
 
-from services.reward.verifiers.base import Verdict, extract, reference_answer
+from services.reward.verifiers.base import (
+    NoOptions,
+    Verdict,
+    check_task,
+    extract,
+    extract_mode,
+    parse_options,
+    reference_answer,
+)
 
 
 class MathVerifier:
@@ -17,9 +25,13 @@ class MathVerifier:
     name = "math"
     isolated = True
 
+    def check(self, task: Mapping[str, Any]) -> None:
+        check_task(task)
+        parse_options(NoOptions, task.get("verifier_options"), "metadata.verifier_options")
+
     def score(self, response: str, task: Mapping[str, Any]) -> Verdict:
         gold = reference_answer(task)
-        answer = extract(response, str(task.get("extract", "all")))
+        answer = extract(response, extract_mode(task))
         if answer is None:
             return Verdict(0.0, "no answer found")
         ok = math_verify.verify(math_verify.parse(gold), math_verify.parse(answer), timeout_seconds=None)

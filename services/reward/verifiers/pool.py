@@ -37,6 +37,7 @@ class _Worker:
         self.proc = subprocess.Popen([sys.executable, "-m", "services.reward.verifiers.worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env, cwd=ROOT)
         self._buffer = b""
+        self.loaded = {"math"}  # the worker imports math-verify before it says it is ready
         if self._read(time.monotonic() + START_TIMEOUT_S) != ["ready"]:
             self.kill()
             raise WorkerFailed(f"a verifier worker did not start within {START_TIMEOUT_S:g}s")
@@ -88,23 +89,32 @@ class VerifierPool:
 
     def score(self, verifier: str, response: str, task: Mapping[str, Any], timeout_s: float) -> Verdict:
         """The verdict within `timeout_s` of the worker starting on it; else 0 with the reason. ValueError: the task
-        itself is invalid (as the verifier said)."""
+        itself is invalid (as the verifier said). A worker first loads a verifier (imports, plugin code, a
+        reasoning-gym scorer) under the start deadline, so loading never counts against a verification's."""
         worker = self._idle.get()
         try:
             if worker is None:
                 worker = _Worker()
-            try:
-                reply = worker.call([verifier, response, dict(task)], timeout_s)
-            except (OSError, EOFError) as exc:  # it died on this input
-                worker.kill()
-                worker = None
-                self.restarts += 1
-                return Verdict(0.0, f"verifier crashed: {exc}")
+            if verifier not in worker.loaded:
+                reply = self._call(worker, ["load", verifier], START_TIMEOUT_S)
+                if reply is None or reply[0] == "crashed":
+                    worker = None
+                    why = reply[1] if reply else f"no answer within {START_TIMEOUT_S:g}s"
+                    raise WorkerFailed(f"a verifier worker could not load {verifier!r}: {why}")
+                if reply[0] == "invalid":
+                    raise ValueError(str(reply[1]))
+                if reply[0] != "ok":
+                    raise ValueError(f"verifier: {verifier!r} does not load in a worker: {reply[1]}")
+                worker.loaded.add(verifier)
+            reply = self._call(worker, ["score", verifier, response, dict(task)], timeout_s)
             if reply is None:
-                worker.kill()
                 worker = None
                 self.timeouts += 1
                 return Verdict(0.0, f"timeout: verification took longer than {timeout_s:g}s")
+            if reply[0] == "crashed":  # it died on this input
+                worker = None
+                self.restarts += 1
+                return Verdict(0.0, f"verifier crashed: {reply[1]}")
         finally:
             self._idle.put(worker)
         status = reply[0]
@@ -113,6 +123,18 @@ class VerifierPool:
         if status == "invalid":
             raise ValueError(str(reply[1]))
         return Verdict(0.0, f"verifier error: {reply[1]}")
+
+    @staticmethod
+    def _call(worker: _Worker, request: list, timeout_s: float) -> list | None:
+        """The reply; None past the deadline and ["crashed", reason] when the worker died (either way it is killed)."""
+        try:
+            reply = worker.call(request, timeout_s)
+        except (OSError, EOFError) as exc:
+            worker.kill()
+            return ["crashed", str(exc)]
+        if reply is None:
+            worker.kill()
+        return reply
 
     async def score_async(self, verifier: str, response: str, task: Mapping[str, Any], timeout_s: float) -> Verdict:
         return await asyncio.to_thread(self.score, verifier, response, task, timeout_s)

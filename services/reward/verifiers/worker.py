@@ -1,4 +1,5 @@
-"""A verifier worker process: reads [verifier, response, task] frames on stdin, answers [status, ...] on stdout.
+"""A verifier worker process: reads ["load", verifier] and ["score", verifier, response, task] frames on stdin,
+answers [status, ...] on stdout (status: "ok", "invalid" for a task the verifier refuses, "error").
 
 Run by `pool.VerifierPool` as `python -m services.reward.verifiers.worker`; the pool kills it when a
 verification passes its deadline. Frames: a 4-byte big-endian length, then msgpack. Anything the verifier
@@ -40,19 +41,24 @@ def main() -> None:
     proto_in = sys.stdin.buffer
     from services.reward.verifiers import build_verifier  # the heavy imports happen once, before "ready"
 
-    build_verifier("math")
+    verifiers = {"math": build_verifier("math")}
     write_frame(proto_out, ["ready"])
     while (request := read_frame(proto_in)) is not None:
-        name, response, task = request
+        kind, name = request[0], request[1]
         try:
-            verdict = build_verifier(name).score(response, task)
-            reply = ["ok", float(verdict.reward), verdict.detail]
+            if name not in verifiers:
+                verifiers[name] = build_verifier(name)
+                getattr(verifiers[name], "warm", lambda: None)()
+            if kind == "load":
+                reply = ["ok"]
+            else:
+                verdict = verifiers[name].score(request[2], request[3])
+                reply = ["ok", float(verdict.reward), verdict.detail]
         except ValueError as exc:
             reply = ["invalid", str(exc)]
         except Exception as exc:  # noqa: BLE001 - the verifier library failed on this input: the parent scores 0
             reply = ["error", f"{type(exc).__name__}: {exc}"]
         write_frame(proto_out, reply)
-
 
 if __name__ == "__main__":
     main()

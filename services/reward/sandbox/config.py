@@ -1,0 +1,55 @@
+"""Sandbox limits and concurrency."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.reward.sandbox.pool import Sandbox
+
+MAX_CONCURRENCY = 100  # each slot gets its own uid (pool.py)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Limits:
+    """Per execution. The rlimits apply to every process of the run; `nproc` counts the sandbox's own 2 helpers."""
+
+    timeout_s: float = 10.0       # wall clock; past it the whole run is killed (status "timeout")
+    cpu_s: int = 10               # RLIMIT_CPU per process (SIGXCPU, then SIGKILL a second later)
+    memory_mb: int = 512          # RLIMIT_AS per process
+    nproc: int = 32               # RLIMIT_NPROC for the run's uid (threads count)
+    fsize_mb: int = 16            # RLIMIT_FSIZE: the largest file one write may grow
+    nofile: int = 64              # RLIMIT_NOFILE
+    tmp_mb: int = 64              # size of the private writable /tmp (tmpfs: it lives in RAM)
+    max_output_bytes: int = 1 << 20  # per stream; the rest is read and dropped
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "cpu_s", "memory_mb", "fsize_mb", "tmp_mb", "max_output_bytes"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.nproc < 4:
+            raise ValueError(f"nproc: must be >= 4 (the sandbox itself uses 2), got {self.nproc}")
+        if self.nofile < 16:
+            raise ValueError(f"nofile: must be >= 16, got {self.nofile}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SandboxConfig:
+    limits: Limits = dataclasses.field(default_factory=Limits)
+    concurrency: int = 2          # executions at once; more wait for a slot
+    python: str = "/usr/bin/python3"  # the system interpreter: /usr is bound read-only, the project's venv is not
+    uid_base: int = 1_200_000_000  # sandboxed processes run as uid_base + slot: no host user, no shared nproc count
+    bwrap: str = "bwrap"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.concurrency <= MAX_CONCURRENCY:
+            raise ValueError(f"concurrency: must be in [1, {MAX_CONCURRENCY}], got {self.concurrency}")
+        if not 65536 <= self.uid_base < 2**31 - 10_000_000:
+            raise ValueError(f"uid_base: must be in [65536, 2**31 - 1e7) (no real user), got {self.uid_base}")
+
+    def build(self) -> Sandbox:
+        """The sandbox, after checking bwrap runs `true` inside it (SandboxUnavailable otherwise)."""
+        from services.reward.sandbox.pool import Sandbox
+
+        return Sandbox(self)

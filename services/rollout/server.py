@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
+import pathlib
 import time
 
 import grpc
 import prometheus_client
 
+from services.common.auth import client_security, nats_credentials, server_security
 from services.common.bus import (
     SUBJECT_PROMPTS,
     SUBJECT_TRAJ_RAW,
@@ -65,10 +69,12 @@ class Rollout:
             raise InvalidMessage(f"work {work.work_id}: the model failed on this prompt")
         if any(s.finish_reason == "abort" for s in seqs):
             raise RuntimeError(f"work {work.work_id} aborted by shutdown")
-        for traj in to_trajectories(work, seqs):
-            await self.bus.publish(SUBJECT_TRAJ_RAW, traj, traj.trajectory_id)
-            self.published += 1
-            TRAJECTORIES.inc()
+        trajectories = to_trajectories(work, seqs)
+        # the group's acks awaited together, not one round trip each; a redelivered work republishes the same
+        # ids, which JetStream deduplicates, so a partial failure here loses and duplicates nothing
+        await asyncio.gather(*(self.bus.publish(SUBJECT_TRAJ_RAW, t, t.trajectory_id) for t in trajectories))
+        self.published += len(trajectories)
+        TRAJECTORIES.inc(len(trajectories))
         TOKENS.set(self.engine.stats.tokens_generated)
         VERSION.set(self.engine.version)
 
@@ -122,10 +128,20 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             dead_letters=self.r.dead_letters.counts)
 
 
+def pin_cpus(service: str) -> None:
+    """MESHRL_CPUS_<SERVICE> (e.g. "0" or "0,1"): run this process on those CPUs only (benchmarks pin rollout and
+    trainer to separate cores)."""
+    cpus = os.environ.get(f"MESHRL_CPUS_{service.upper()}", "")
+    if cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+
+
 async def serve(config: RolloutConfig, stop: asyncio.Event) -> None:
+    pin_cpus("rollout")
     engine = config.engine.build()
     engine.start()
-    bus = await Bus.connect(config.nats_url, name=config.rank_id, replicas=config.nats_replicas)
+    bus = await Bus.connect(config.nats_url, name=config.rank_id, replicas=config.nats_replicas,
+                            **nats_credentials(config))
     rollout = Rollout(config, engine, bus)
     servicers = [Servicer(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, RolloutServicer(rollout),
                           rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name)]
@@ -133,7 +149,7 @@ async def serve(config: RolloutConfig, stop: asyncio.Event) -> None:
     if receiver is not None:
         servicers.append(receiver.servicer())
         rollout.hold("weights")  # until the weights are known to be the trainer's, not stale ones (a restart)
-    rpc = await start_server(config.grpc_address, servicers, auth_token=config.auth_token)
+    rpc = await start_server(config.grpc_address, servicers, security=server_security(config))
     address = bound_address(config.grpc_address, rpc.port)
     rollout.log.info("serving", grpc=address, subject=SUBJECT_PROMPTS, version=engine.version)
     tasks = [asyncio.create_task(consume(bus, "rollout", decoder(data_pb2.PromptWork), rollout.handle_work, stop,
@@ -156,13 +172,50 @@ async def serve(config: RolloutConfig, stop: asyncio.Event) -> None:
     await bus.close()
 
 
+class PauseClock:
+    """Phase times of the engine per weight update, one JSON line each in run_dir/rollout_metrics.jsonl (the run
+    report puts them into metrics.jsonl and phases.png): how long the engine took to stand still after the pause
+    request (its step in flight), how long it stood paused while the weights moved, and, since the previous
+    update, how long it worked (model steps) and the tokens it generated."""
+
+    def __init__(self, engine: EmbeddedEngine, path: pathlib.Path) -> None:
+        self.engine = engine
+        self.path = path
+        self.requested = self.paused = self.last = time.monotonic()
+        self.busy, self.tokens, self.steps = 0.0, 0, 0
+
+    async def pause(self) -> None:
+        self.requested = time.monotonic()
+        await self.engine.pause_async()
+        self.paused = time.monotonic()
+
+    async def resume(self, version: int) -> None:
+        updated = version != self.engine.version
+        await self.engine.resume_async(version)
+        if updated:
+            self.record(version)
+
+    def record(self, version: int) -> None:
+        at, stats = time.monotonic(), self.engine.stats
+        line = {"version": version, "engine_pause_seconds": at - self.paused,
+                "pause_drain_seconds": self.paused - self.requested, "interval_seconds": at - self.last,
+                "engine_busy_seconds": stats.busy_seconds - self.busy, "tokens": stats.tokens_generated - self.tokens,
+                "engine_steps": stats.steps - self.steps}
+        self.last, self.busy, self.tokens, self.steps = at, stats.busy_seconds, stats.tokens_generated, stats.steps
+        with contextlib.suppress(OSError):  # timing is a report, never a reason to fail an update
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+
+
 def _weight_receiver(config: RolloutConfig, engine: EmbeddedEngine):
     if not config.wx_address:
         return None
     from services.weight_exchange.client import ReceiverAgent
 
+    clock = PauseClock(engine, pathlib.Path(config.run_dir) / "rollout_metrics.jsonl")
     return ReceiverAgent(rank_id=config.rank_id, params=engine.named_parameters(), wx_address=config.wx_address,
-                         token=config.auth_token, on_pause=engine.pause_async, on_resume=engine.resume_async,
+                         **client_security(config), on_pause=clock.pause, on_resume=clock.resume,
                          version=engine.version)
 
 

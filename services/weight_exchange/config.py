@@ -19,6 +19,8 @@ class WeightExchangeConfig(ServiceConfig):
     agent_token: str = ""               # bearer token for the receivers' agents (default: auth_token)
     publish_events: bool = True         # VERSION_KIND_DEPLOYED on events.version after each successful Sync
     rank_ttl: float = 30.0              # a rank with no registration (heartbeat) for this long is dropped; <= 0: never
+    sender_identities: list[str] = dataclasses.field(default_factory=lambda: ["trainer"])   # may register senders
+    receiver_identities: list[str] = dataclasses.field(default_factory=lambda: ["rollout"])  # may register receivers
 
     def __post_init__(self) -> None:
         if self.default_transport not in KNOWN:

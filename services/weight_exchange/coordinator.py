@@ -5,6 +5,10 @@ Registrations are heartbeats, so the service can restart at any moment: a re-reg
 is dropped, so no Sync waits on a dead peer. Every layout carries a version (a sender's parameters, a receiver's
 applied weights); a receiver that registers behind the senders is caught up in the background.
 No gRPC here: the server injects `apply` (call one receiver) and `on_deployed` (publish the event).
+
+Each registration may bring the rank's key and its owner (the caller's identity): a live rank is never replaced by
+another owner, and every update carries a fresh sync_id with a pull ticket per sender and a signature per receiver
+made with those keys (client/tickets.py), so receivers and senders act only on this coordinator's word.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from collections.abc import Awaitable, Callable
 
 from services.common.contracts import weight_exchange_pb2 as wx_pb2
 from services.common.logging import get_logger
-from services.weight_exchange.client import transports
+from services.weight_exchange.client import tickets, transports
 from services.weight_exchange.client.layout import RECEIVER, SENDER, RankLayout
 from services.weight_exchange.planner import Plan, PlanError, bytes_min, plan
 
@@ -31,6 +35,10 @@ class SyncError(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class RegisterDenied(Exception):
+    """A registration that would replace a live rank registered by another identity."""
 
 
 class ApplyError(Exception):
@@ -73,6 +81,8 @@ class Coordinator:
         self.last_sync_seconds = 0.0
         self.last_bytes_moved = 0
         self._seen: dict[str, float] = {}     # rank_id -> clock() of its last registration
+        self._keys: dict[str, bytes] = {}     # rank_id -> its key (tickets, signatures); none: sent unsigned
+        self._owners: dict[str, str] = {}     # rank_id -> the identity that registered it ("" without auth)
         self._transport = ""                  # of the last successful Sync: what catch-ups use
         self._plan: Plan | None = None
         self._by_receiver: dict[str, list[wx_pb2.Transfer]] = {}
@@ -93,17 +103,31 @@ class Coordinator:
         """The highest version a registered sender reports; -1 when none is registered."""
         return max((s.version for s in self.senders), default=-1)
 
-    def register(self, layout: RankLayout) -> None:
+    def register(self, layout: RankLayout, *, key: str = "", owner: str | None = None) -> None:
         """Add, refresh (a heartbeat: same layout but for the version) or replace (a restarted process) a rank;
-        ValueError names the bad field. A receiver behind the senders is caught up in the background."""
+        ValueError names the bad field. `key` (hex) is the rank's secret for tickets and signatures, `owner` the
+        caller's identity: RegisterDenied when the rank is live and registered by another owner. A receiver behind
+        the senders is caught up in the background."""
         layout.validate()
         for name in layout.endpoints:
             if name not in transports.KNOWN:
                 raise ValueError(f"layout.endpoints: unknown transport {name!r} (known: {', '.join(transports.KNOWN)})")
+        secret = tickets.parse_key(key) if key else None
         self.expire()
         old = self.ranks.get(layout.rank_id)
+        owner = owner or ""
+        if old is not None and self._owners.get(layout.rank_id, "") != owner:
+            log.warning("register_denied", rank_id=layout.rank_id, owner=self._owners.get(layout.rank_id, ""),
+                        caller=owner)
+            raise RegisterDenied(f"rank_id: {layout.rank_id} is registered by {self._owners.get(layout.rank_id)!r}; "
+                                 f"{owner!r} may not replace it while it is live")
         self.ranks[layout.rank_id] = layout
         self._seen[layout.rank_id] = self.clock()
+        self._owners[layout.rank_id] = owner
+        if secret is None:
+            self._keys.pop(layout.rank_id, None)
+        else:
+            self._keys[layout.rank_id] = secret
         if old is None or not old.same_except_version(layout):
             self._plan = None
             log.info("registered", rank_id=layout.rank_id, role=layout.role, framework=layout.framework,
@@ -120,6 +144,8 @@ class Coordinator:
         dead = sorted(r for r, seen in self._seen.items() if now - seen > self.rank_ttl)
         for rank_id in dead:
             layout = self.ranks.pop(rank_id)
+            self._keys.pop(rank_id, None)
+            self._owners.pop(rank_id, None)
             log.warning("rank_expired", rank_id=rank_id, role=layout.role,
                         silent_seconds=round(now - self._seen.pop(rank_id), 1))
         if dead:
@@ -215,6 +241,7 @@ class Coordinator:
             self._check_same_host(p)
         endpoints = {s.rank_id: s.endpoints[name] for s in self.senders}
         timeout = self.transfer_timeout + self.control_timeout
+        sync_id = tickets.new_sync_id()
         calls = []
         for r in receivers:
             mine = self._by_receiver.get(r.rank_id, [])
@@ -222,7 +249,11 @@ class Coordinator:
             request = wx_pb2.ApplyRequest(version=version, transport=name, transfers=mine,
                                           sender_endpoints={s: endpoints[s] for s in srcs},
                                           timeout_seconds=self.transfer_timeout, verify=verify,
-                                          plan_hash=p.plan_hash)
+                                          plan_hash=p.plan_hash, sync_id=sync_id,
+                                          sender_tickets={s: tickets.ticket(self._keys[s], r.rank_id, version, sync_id)
+                                                          for s in srcs if s in self._keys})
+            if r.rank_id in self._keys:
+                tickets.sign_apply(self._keys[r.rank_id], request)
             calls.append(asyncio.wait_for(self.apply(r, request, timeout), timeout + GRACE))
         results = await asyncio.gather(*calls, return_exceptions=True)
         failures = []

@@ -6,6 +6,7 @@ import asyncio
 
 import grpc
 
+from services.common.auth import SHARED, Tls, caller, client_security, nats_credentials, server_security
 from services.common.bus import SUBJECT_VERSIONS, Bus
 from services.common.contracts import data_pb2
 from services.common.contracts import weight_exchange_pb2 as wx_pb2
@@ -13,9 +14,9 @@ from services.common.contracts import weight_exchange_pb2_grpc as wx_grpc
 from services.common.ids import now
 from services.common.logging import get_logger
 from services.common.rpc import Servicer, bound_address, channel, invalid_argument, start_server
-from services.weight_exchange.client.layout import RankLayout
+from services.weight_exchange.client.layout import RECEIVER, SENDER, RankLayout
 from services.weight_exchange.config import WeightExchangeConfig
-from services.weight_exchange.coordinator import ApplyError, Coordinator, SyncError
+from services.weight_exchange.coordinator import ApplyError, Coordinator, RegisterDenied, SyncError
 from services.weight_exchange.planner import PlanError
 
 log = get_logger()
@@ -24,14 +25,16 @@ log = get_logger()
 class AgentClients:
     """One channel per receiver agent address."""
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, tls: Tls | None = None) -> None:
         self.token = token
+        self.tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     async def apply(self, receiver: RankLayout, request: wx_pb2.ApplyRequest, timeout: float) -> wx_pb2.ApplyReply:
         ch = self._channels.get(receiver.agent_address)
         if ch is None:
-            ch = self._channels[receiver.agent_address] = channel(receiver.agent_address, token=self.token)
+            ch = self._channels[receiver.agent_address] = channel(receiver.agent_address, token=self.token,
+                                                                              tls=self.tls)
         try:
             return await wx_grpc.WeightAgentServiceStub(ch).Apply(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
@@ -50,14 +53,22 @@ class AgentClients:
 
 
 class WeightExchangeServicer(wx_grpc.WeightExchangeServiceServicer):
-    def __init__(self, coordinator: Coordinator) -> None:
+    def __init__(self, coordinator: Coordinator, roles: dict[str, tuple[str, ...]] | None = None) -> None:
         self.coordinator = coordinator
+        self.roles = roles or {SENDER: ("trainer",), RECEIVER: ("rollout",)}  # role -> identities that may take it
 
     async def Register(self, request, context):  # noqa: N802
         if not request.HasField("layout"):
             await invalid_argument(context, "layout", "required")
+        identity = caller()  # None: this server checks no token
+        layout = RankLayout.from_proto(request.layout)
+        if identity not in (None, SHARED) and identity not in self.roles.get(layout.role, ()):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{identity} may not register a "
+                                f"{layout.role or 'rank of unknown role'} rank")
         try:
-            self.coordinator.register(RankLayout.from_proto(request.layout))
+            self.coordinator.register(layout, key=request.rank_key, owner=identity)
+        except RegisterDenied as exc:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         except ValueError as exc:
             field, _, problem = str(exc).partition(": ")
             await invalid_argument(context, field, problem)
@@ -95,9 +106,8 @@ class WeightExchangeServicer(wx_grpc.WeightExchangeServiceServicer):
 
 
 async def serve(config: WeightExchangeConfig, stop: asyncio.Event) -> None:
-    bus = await Bus.connect(config.nats_url, name="weight_exchange",
-                             replicas=config.nats_replicas) if config.publish_events and config.nats_url \
-        else None
+    bus = await Bus.connect(config.nats_url, name="weight_exchange", replicas=config.nats_replicas,
+                            **nats_credentials(config)) if config.publish_events and config.nats_url else None
 
     async def deployed(version: int) -> None:
         if bus is None:
@@ -106,13 +116,15 @@ async def serve(config: WeightExchangeConfig, stop: asyncio.Event) -> None:
                                       kind=data_pb2.VERSION_KIND_DEPLOYED, at=now())
         await bus.publish(SUBJECT_VERSIONS, event, f"deployed-{version}")
 
-    agents = AgentClients(config.agent_token or config.auth_token)
+    client = client_security(config)
+    agents = AgentClients(config.agent_token or client["token"], client["tls"])
     coordinator = Coordinator(apply=agents.apply, on_deployed=deployed, bucket_bytes=config.bucket_bytes,
                               default_transport=config.default_transport, transfer_timeout=config.transfer_timeout,
                               control_timeout=config.control_timeout, verify=config.verify, rank_ttl=config.rank_ttl)
-    servicer = Servicer(wx_grpc.add_WeightExchangeServiceServicer_to_server, WeightExchangeServicer(coordinator),
+    roles = {SENDER: tuple(config.sender_identities), RECEIVER: tuple(config.receiver_identities)}
+    servicer = Servicer(wx_grpc.add_WeightExchangeServiceServicer_to_server, WeightExchangeServicer(coordinator, roles),
                         wx_pb2.DESCRIPTOR.services_by_name["WeightExchangeService"].full_name)
-    server = await start_server(config.grpc_address, [servicer], auth_token=config.auth_token)
+    server = await start_server(config.grpc_address, [servicer], security=server_security(config))
     log.info("serving", address=bound_address(config.grpc_address, server.port))
     try:
         await stop.wait()

@@ -1,6 +1,6 @@
 """Build a real megatron-core GPTModel on CPU (gloo, use_cpu_initialization) and dump its parameter shapes.
 
-`python -m tests.weight_exchange.megatron_proc --rank R --world W --port P --out DIR --tp T --pp P --ep E
+`python -m tests.weight_exchange.megatron_proc --rank R --world W --store FILE --out DIR --tp T --pp P --ep E
  --etp X --model NAME`: writes DIR/rank<R>.json = {"parallel": {...}, "params": {name: shape}}.
 """
 
@@ -8,26 +8,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 
 import torch
 import torch.nn.functional as F
 
+from tests.ranks import join_cpu_group
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    for k in ("rank", "world", "port", "tp", "pp", "ep", "etp"):
+    for k in ("rank", "world", "tp", "pp", "ep", "etp"):
         ap.add_argument(f"--{k}", type=int, default=1)
     ap.add_argument("--model", default="tiny-qwen3")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--store", required=True, help="a file every rank names: the rendezvous (no port to race for)")
     a = ap.parse_args()
-    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-    if not torch.cuda.is_available():
-        # tied embeddings with PP > 1 move the shared weight with `.cuda()` before an all-reduce; stay on CPU
-        torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank,
-                                         world_size=a.world)
+    join_cpu_group(a.rank, a.world, a.store)
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

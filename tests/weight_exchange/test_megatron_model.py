@@ -7,15 +7,12 @@ coordinates (tp, pp, ep, etp, dp) must be what the topology assigns to that glob
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from launcher.processes import free_port
 from services.weight_exchange.client.layouts.model import model_spec
 from services.weight_exchange.client.layouts.topology import megatron_parallel, parse_side, rank_shards
-from tests.weight_exchange.harness import ROOT
+from tests.ranks import run_module_ranks
 
 pytest.importorskip("megatron.core")
 
@@ -23,12 +20,9 @@ PADDING_ONLY = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
 def launch(tmp_path, model: str, side, args: list[str]) -> list[str]:
-    """Runs every rank on one rendezvous port; returns the failed ranks' stderr tails."""
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.weight_exchange.megatron_proc", f"--rank={r}",
-                               f"--world={side.world}", f"--port={port}", f"--model={model}", f"--out={tmp_path}",
-                               *args], cwd=ROOT, stderr=subprocess.PIPE, text=True) for r in range(side.world)]
-    return [err[-3000:] for p in procs for _, err in [p.communicate(timeout=240)] if p.returncode != 0]
+    """Every rank of tests.weight_exchange.megatron_proc; the failed ranks' stderr tails."""
+    return run_module_ranks("tests.weight_exchange.megatron_proc", side.world, tmp_path,
+                            [f"--model={model}", f"--out={tmp_path}", *args], deadline_s=300)
 
 
 def build(tmp_path, model: str, side_text: str) -> None:
@@ -36,8 +30,6 @@ def build(tmp_path, model: str, side_text: str) -> None:
     args = [f"--{k}={side.get(k)}" for k in ("tp", "pp", "ep")]
     args.append(f"--etp={side.sizes.get('etp', side.get('tp'))}")
     failures = launch(tmp_path, model, side, args)
-    if any("EADDRINUSE" in err for err in failures):  # the free port was taken before rank 0 bound it: once more
-        failures = launch(tmp_path, model, side, args)
     assert not failures, failures[0]
     spec = model_spec(model)
     for r in range(side.world):

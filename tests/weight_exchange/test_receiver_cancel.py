@@ -8,6 +8,7 @@ import torch
 
 from services.common.contracts import weight_exchange_pb2 as wx_pb2
 from services.weight_exchange.client import ReceiverAgent
+from services.weight_exchange.client.tickets import sign_apply
 
 
 class Engine:
@@ -29,7 +30,9 @@ async def test_cancelled_apply_still_resumes_the_paused_engine():
     engine = Engine()
     agent = ReceiverAgent("rollout-0", {"w": torch.zeros(4)}, "127.0.0.1:1", on_pause=engine.pause,
                           on_resume=engine.resume, version=3)
-    request = wx_pb2.ApplyRequest(version=4, transport="tcp", timeout_seconds=5.0)  # no transfers: nothing to pull
+    request = wx_pb2.ApplyRequest(version=4, transport="tcp", timeout_seconds=5.0,  # no transfers: nothing to pull
+                                  sync_id="sync-1")
+    sign_apply(agent.key, request)  # as the coordinator this agent registered with does
     call = asyncio.create_task(agent.apply(request, context=None))
     await engine.pausing.wait()
     call.cancel()  # the RPC is cancelled between pause and resume

@@ -223,3 +223,19 @@ def test_untracked_sender_serves_any_version():
         assert same(into, params)
     finally:
         server.stop()
+
+
+def test_a_pull_casts_into_live_parameters_that_require_grad():
+    """The pulling threads write outside autograd themselves (grad mode is per thread): live bf16 parameters that
+    require grad take a float32 sender's values through the staging path (a cast), as an engine's model does."""
+    params = weights(0)
+    server = SenderServer("trainer-0", params)
+    endpoint = server.start()["tcp"]
+    live = {k: torch.nn.Parameter(v.to(torch.bfloat16) * 0, requires_grad=True) for k, v in weights(1).items()}
+    try:
+        server.end_update(1)
+        assert pull(server, live, endpoint, 1).bytes_received > 0
+        assert all(torch.equal(live[k].detach(), params[k].to(torch.bfloat16)) for k in params)
+        assert all(p.requires_grad and p.grad_fn is None for p in live.values())
+    finally:
+        server.stop()

@@ -16,13 +16,15 @@ from services.rollout.engines.sequence import Sequence
 class ModelRunner:
     def __init__(self, model: PreTrainedModel, *, pad_token_id: int, seed: int) -> None:
         self.model = model.eval()
+        self.device = next(model.parameters()).device  # every tensor of the engine lives here
         self.pad_token_id = pad_token_id
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None       # [rows, kv width], 0 on each row's left padding
         self._positions: torch.Tensor | None = None  # [rows], position of each row's last token
         self._last: torch.Tensor | None = None       # [rows], each row's last sampled token
         self.prefilled_rows = 0                      # rows whose whole context went through the model
+        self.prefilled_contexts = 0                  # ... counted once per distinct context (shared prompts)
 
     @torch.inference_mode()
     def run(self, step: Step) -> tuple[list[int], list[float]]:
@@ -30,9 +32,9 @@ class ModelRunner:
         params = [s.sampling for s in step.rows]
         tokens, logprobs = sample(
             logits,
-            torch.tensor([p.temperature for p in params]),
-            torch.tensor([p.top_p for p in params]),
-            torch.tensor([p.top_k for p in params]),
+            torch.tensor([p.temperature for p in params], device=self.device),
+            torch.tensor([p.top_p for p in params], device=self.device),
+            torch.tensor([p.top_k for p in params], device=self.device),
             self.generator,
         )
         self._last = tokens
@@ -47,19 +49,29 @@ class ModelRunner:
         return logits
 
     def _prefill(self, rows: list[Sequence]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
-        contexts = [s.context for s in rows]
+        """Run each distinct context once (the samples of one prompt share it), then give every row its copy."""
+        distinct: dict[tuple[int, ...], int] = {}
+        row_of = [distinct.setdefault(tuple(s.context), len(distinct)) for s in rows]
+        contexts = list(distinct)
         width = max(len(c) for c in contexts)
-        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        ids = torch.full((len(contexts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(contexts), width), dtype=torch.long)
         for i, ctx in enumerate(contexts):
             ids[i, width - len(ctx):] = torch.tensor(ctx)
             mask[i, width - len(ctx):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)  # built on the host, moved once
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                          cache=cache, use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1, :]
         self.prefilled_rows += len(rows)
-        return cache, mask, positions[:, -1], out.logits[:, -1, :]
+        self.prefilled_contexts += len(contexts)
+        if len(contexts) < len(rows):
+            index = torch.tensor(row_of, device=self.device)
+            cache.batch_select_indices(index)
+            mask, positions, logits = mask[index], positions[index], logits[index]
+        return cache, mask, positions[:, -1], logits
 
     # decode + admit -----------------------------------------------------------------------------------------
     def _can_extend(self, step: Step) -> bool:
@@ -70,7 +82,7 @@ class ModelRunner:
 
     def _extend(self, step: Step) -> torch.Tensor:
         if step.keep != tuple(range(self._mask.shape[0])):
-            self._select(torch.tensor(step.keep))
+            self._select(torch.tensor(step.keep, device=self.device))
         logits = [self._decode()]
         if step.new:
             cache, mask, positions, new_logits = self._prefill(step.rows[len(step.keep):])
@@ -80,7 +92,7 @@ class ModelRunner:
 
     def _decode(self) -> torch.Tensor:
         rows = self._mask.shape[0]
-        self._mask = torch.cat([self._mask, torch.ones((rows, 1), dtype=torch.long)], dim=-1)
+        self._mask = torch.cat([self._mask, torch.ones((rows, 1), dtype=torch.long, device=self.device)], dim=-1)
         self._positions = self._positions + 1
         out = self.model(input_ids=self._last.unsqueeze(-1), attention_mask=self._mask,
                          position_ids=self._positions.unsqueeze(-1), cache=self._cache, use_cache=True,

@@ -19,16 +19,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from services.common.device import check_device, resolve_device
 from services.common.logging import get_logger
 from services.rollout.engines.runner import ModelRunner
 from services.rollout.engines.scheduler import Scheduler, Step
 from services.rollout.engines.sequence import Sampling, Sequence, Status
 
 MAX_SAMPLES = 1024  # samples of one prompt per call (Generate.n, PromptWork.group_size)
+DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -39,11 +42,19 @@ class EngineConfig:
     seed: int = 0
     torch_threads: int = 1
     initial_version: int = 0
+    device: str = "cpu"          # cpu | cuda | npu, or cuda:N / npu:N: weights, KV cache and sampling live there
+    dtype: str = "float32"       # float32 | bfloat16: the weights (weight sync casts what arrives to it)
+
+    def __post_init__(self) -> None:
+        check_device(self.device)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"engine.dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 
     def build(self) -> EmbeddedEngine:
         if self.torch_threads > 0:
             torch.set_num_threads(self.torch_threads)
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        device = resolve_device(self.device)
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, self.dtype)).to(device)
         tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         return EmbeddedEngine(model, eos_token_id=tokenizer.eos_token_id,
                               pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
@@ -61,6 +72,7 @@ class EngineStats:
     sequences_failed: int = 0   # ended with "error": a model step failed on them
     steps_failed: int = 0
     steps: int = 0
+    busy_seconds: float = 0.0   # in model steps (schedule, forward, sampling, postprocess)
 
 
 class EmbeddedEngine:
@@ -149,13 +161,11 @@ class EmbeddedEngine:
         """Submit n samples of one prompt and wait for all of them (all checked before any is admitted)."""
         self.check(prompt_ids, sampling, n)
         loop = asyncio.get_running_loop()
-        futures = []
-        for _ in range(n):
-            fut = loop.create_future()
-            futures.append(fut)
-            self.submit(prompt_ids, sampling,
-                        lambda seq, f=fut: loop.call_soon_threadsafe(_resolve, f, seq))
-        return list(await asyncio.gather(*futures))
+        done = loop.create_future()
+        group = _Group(n, lambda: loop.call_soon_threadsafe(_resolve, done, None))  # one wake-up per group
+        seqs = [self.submit(prompt_ids, sampling, group.finished) for _ in range(n)]
+        await done
+        return seqs
 
     # interruption ---------------------------------------------------------------------------------------
     def pause(self, timeout: float = 60.0) -> None:
@@ -196,6 +206,7 @@ class EmbeddedEngine:
                 self._paused = False
                 if self._stopped:
                     return
+                started = time.perf_counter()
                 step = self.scheduler.schedule()
                 rows, version = step.rows, self.version
             try:
@@ -210,6 +221,7 @@ class EmbeddedEngine:
                 self.stats.steps += 1
                 self.stats.tokens_generated += active
                 self._count(done)
+                self.stats.busy_seconds += time.perf_counter() - started
             for seq in done:
                 self._finish(seq)
 
@@ -253,9 +265,26 @@ class EmbeddedEngine:
             seq.on_finish(seq)
 
 
-def _resolve(fut: asyncio.Future, seq: Sequence) -> None:
+def _resolve(fut: asyncio.Future, result) -> None:
     if not fut.done():
-        fut.set_result(seq)
+        fut.set_result(result)
+
+
+class _Group:
+    """Counts the finished samples of one `generate` call (callbacks come from any thread) and wakes the caller's
+    event loop once, when the last one finishes: a cross-thread wake-up per sample costs a socket write each."""
+
+    def __init__(self, n: int, wake) -> None:
+        self._left = n
+        self._lock = threading.Lock()
+        self._wake = wake
+
+    def finished(self, seq: Sequence) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._wake()
 
 
 def check_token_ids(ids, vocab_size: int | None, field: str, *, allow_empty: bool = False) -> None:

@@ -156,7 +156,14 @@ def read_or_create_key(path: pathlib.Path) -> str:
 def _read_key(path: pathlib.Path) -> str:
     mode = path.stat().st_mode & 0o777
     if mode & 0o077:
-        os.chmod(path, 0o600)  # a key file others can read is tightened, not trusted as it is
+        try:
+            os.chmod(path, 0o600)  # a key file others can read is tightened, not trusted as it is
+        except OSError:
+            # a read-only mount (a Kubernetes Secret: root-owned, readable by the pod's group) cannot be tightened;
+            # it is trusted only when no other user may read it
+            if mode & 0o007:
+                raise ValueError(f"admin_key_file: {path} is readable by every user (mode {mode:o}) and cannot be "
+                                 "tightened") from None
     for _ in range(100):  # a concurrent creator may not have written it yet
         key = path.read_text().strip()
         if key:

@@ -152,6 +152,7 @@ class Gateway:
                                   prefix_text=prompt.forced_text, new_call_id=lambda: call_prefix + uuid.uuid4().hex[:24])
                     for i in range(req.n)]
         version = self.backend.version
+        created = int(time.time())  # one timestamp: a stream's first chunk and a later replay must agree
 
         def submit() -> list[Sampled]:
             try:
@@ -162,7 +163,7 @@ class Gateway:
         def finalize(pairs: list[tuple[Sampled, ChoiceDecoder]]) -> Completion:
             choices = [d.result(*_lists(s), engine_finish=_finish_reason(s), stop_token_ids=self.fmt.stop_token_ids)
                        for s, d in pairs]
-            completion = Completion(id=completion_id, created=int(time.time()), model=req.model or self.config.model_name,
+            completion = Completion(id=completion_id, created=created, model=req.model or self.config.model_name,
                                     prompt=prompt, choices=choices, version=version)
             self._record(req, session, completion)
             metrics.REQUESTS.labels(req.api, "ok").inc()
@@ -172,7 +173,7 @@ class Gateway:
                 self.replays.resolve(session.id, replay.key, token, completion)
             return completion
 
-        return LiveRun(completion_id, int(time.time()), prompt, submit, decoders, stream=req.stream,
+        return LiveRun(completion_id, created, prompt, submit, decoders, stream=req.stream,
                        poll_s=self.config.stream_interval_s, timeout_s=self.config.request_timeout_s,
                        finalize=finalize, on_exit=lambda: self._done(session, replay, token))
 

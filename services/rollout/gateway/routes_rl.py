@@ -51,7 +51,15 @@ def add_rl_routes(app: Starlette, gw: Gateway) -> None:
             raise ApiError(401, f"unknown API key: not a session key of this gateway{GONE}")
         return session
 
-    def named_session(body: dict) -> Session:
+    def named_session(body: dict, caller: Session | None) -> Session:
+        """The session a call acts on: the caller's own (a session key), or the one the body names (the admin key).
+        A session key naming another session is refused: one agent's key never touches another's episode."""
+        if caller is not None:
+            named = body.get("session_id")
+            if named is not None and named != caller.id:
+                raise ApiError(403, f"session_id: this key belongs to session {caller.id}, not {named!r}",
+                               param="session_id")
+            return caller
         session_id = f.string(body, "session_id")
         session = gw.sessions.by_id(session_id)
         if session is None:
@@ -100,7 +108,7 @@ def add_rl_routes(app: Starlette, gw: Gateway) -> None:
     async def set_reward(request: Request) -> Response:
         session = identify(request)
         body = await body_of(request)
-        session = session or named_session(body)
+        session = named_session(body, session)
         f.req(body, "reward")
         reward = f.number(body, "reward", default=0.0)
         return json_response(lifecycle.set_reward(session, reward, f.string(body, "interaction_id", default=None)))
@@ -108,7 +116,7 @@ def add_rl_routes(app: Starlette, gw: Gateway) -> None:
     async def end_session(request: Request) -> Response:
         session = identify(request)
         body = await body_of(request, allow_empty=True)
-        session = session or named_session(body)
+        session = named_session(body, session)
         return json_response(await lifecycle.end_session(gw, session))
 
     async def status(request: Request) -> Response:

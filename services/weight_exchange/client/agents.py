@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -10,10 +11,12 @@ from typing import Any
 import grpc
 import torch
 
+from services.common.auth import Tls
 from services.common.contracts import weight_exchange_pb2 as wx_pb2
 from services.common.contracts import weight_exchange_pb2_grpc as wx_grpc
 from services.common.logging import get_logger
 from services.common.rpc import Servicer, channel, invalid_argument
+from services.weight_exchange.client import tickets
 from services.weight_exchange.client.layout import RECEIVER, SENDER, RankLayout, Shard
 from services.weight_exchange.client.layouts.hf import dedupe_tied, hf_full_shards
 from services.weight_exchange.client.sink import pull_all
@@ -28,15 +31,16 @@ class _Client:
     """A lazily opened channel to the weight-exchange service; one that found the service unavailable is dropped,
     so the next call connects at once instead of after gRPC's reconnect back-off (minutes after a long restart)."""
 
-    def __init__(self, wx_address: str, token: str) -> None:
+    def __init__(self, wx_address: str, token: str, tls: Tls | None = None) -> None:
         self.wx_address = wx_address
         self.token = token
+        self.tls = tls
         self._channel: grpc.aio.Channel | None = None
 
     @property
     def stub(self) -> wx_grpc.WeightExchangeServiceStub:
         if self._channel is None:
-            self._channel = channel(self.wx_address, token=self.token)
+            self._channel = channel(self.wx_address, token=self.token, tls=self.tls)
         return wx_grpc.WeightExchangeServiceStub(self._channel)
 
     async def call(self, method: str, request: Any, timeout: float) -> Any:
@@ -57,6 +61,7 @@ class _Registrant:
     """A rank that keeps itself registered: its heartbeats re-register it after a restart of the service."""
 
     rank_id: str
+    key: bytes                              # this process's secret with the coordinator (tickets.py)
     registered: asyncio.Event               # set once a registration succeeded
     last_reply: wx_pb2.RegisterReply | None
     _registry: _Client                      # its own channel: a heartbeat never disturbs a Sync in flight
@@ -87,7 +92,8 @@ class _Registrant:
 
     async def _send(self, layout: RankLayout) -> wx_pb2.RegisterReply:
         layout.validate()
-        reply = await self._registry.call("Register", wx_pb2.RegisterRequest(layout=layout.to_proto()), 30.0)
+        request = wx_pb2.RegisterRequest(layout=layout.to_proto(), rank_key=self.key.hex())
+        reply = await self._registry.call("Register", request, 30.0)
         self.last_reply = reply
         self.registered.set()
         return reply
@@ -105,21 +111,23 @@ class SenderAgent(_Registrant):
     def __init__(self, rank_id: str, params: Mapping[str, torch.Tensor], wx_address: str, token: str = "",
                  transports: Sequence[str] = ("tcp", "shm"), host: str = "127.0.0.1", *,
                  shards: Sequence[Shard] | None = None, framework: str = "hf",
-                 parallel: Mapping[str, int] | None = None, version: int | None = None) -> None:
+                 parallel: Mapping[str, int] | None = None, version: int | None = None,
+                 tls: Tls | None = None) -> None:
         self.rank_id = rank_id
+        self.key = tickets.new_key()       # the data server serves only pulls with a ticket made with it
         self.params = dedupe_tied(params)
         self.shards = list(shards) if shards is not None else hf_full_shards(self.params)
         self.framework = framework
         self.parallel = dict(parallel or {})
         self.host = host
-        self.server = SenderServer(rank_id, self.params, host, tuple(transports))
+        self.server = SenderServer(rank_id, self.params, host, tuple(transports), key=self.key)
         if version is not None:
             self.server.end_update(version)
         self.endpoints: dict[str, str] = {}
         self.registered = asyncio.Event()
         self.last_reply = None
-        self._client = _Client(wx_address, token)
-        self._registry = _Client(wx_address, token)
+        self._client = _Client(wx_address, token, tls)
+        self._registry = _Client(wx_address, token, tls)
 
     @property
     def version(self) -> int | None:
@@ -179,8 +187,11 @@ class ReceiverAgent(_Registrant):
                  on_pause: Callable[[], Awaitable[None]] | None = None,
                  on_resume: Callable[[int], Awaitable[None]] | None = None,
                  shards: Sequence[Shard] | None = None, framework: str = "embedded",
-                 parallel: Mapping[str, int] | None = None, host: str = "127.0.0.1", version: int = 0) -> None:
+                 parallel: Mapping[str, int] | None = None, host: str = "127.0.0.1", version: int = 0,
+                 tls: Tls | None = None) -> None:
         self.rank_id = rank_id
+        self.key = tickets.new_key()       # an Apply is taken only when signed with it by the coordinator
+        self._seen_syncs: collections.OrderedDict[str, None] = collections.OrderedDict()  # no request twice
         self.params = {k: v.detach() for k, v in dedupe_tied(params).items()}
         self.shards = list(shards) if shards is not None else hf_full_shards(self.params)
         self.framework = framework
@@ -193,7 +204,7 @@ class ReceiverAgent(_Registrant):
         self._on_pause = on_pause
         self._on_resume = on_resume
         self._lock = asyncio.Lock()
-        self._registry = _Client(wx_address, token)
+        self._registry = _Client(wx_address, token, tls)
 
     def layout(self) -> RankLayout:
         return RankLayout(self.rank_id, RECEIVER, self.framework, self.shards, self.parallel,
@@ -219,6 +230,16 @@ class ReceiverAgent(_Registrant):
         await self._registry.close()
 
     async def apply(self, request: wx_pb2.ApplyRequest, context: grpc.aio.ServicerContext) -> wx_pb2.ApplyReply:
+        if not tickets.apply_signed(self.key, request):
+            log.warning("apply_refused", rank_id=self.rank_id, version=request.version, reason="not signed")
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{self.rank_id}: apply refused: not signed by "
+                                "the coordinator this rank registered with")
+        if request.sync_id in self._seen_syncs:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{self.rank_id}: apply refused: update "
+                                f"{request.sync_id} was already applied (a replay)")
+        self._seen_syncs[request.sync_id] = None
+        while len(self._seen_syncs) > 4096:
+            self._seen_syncs.popitem(last=False)
         if request.version < 0:
             await invalid_argument(context, "version", f"must be >= 0, got {request.version}")
         if request.timeout_seconds <= 0:
@@ -253,7 +274,8 @@ class ReceiverAgent(_Registrant):
             try:
                 result = await asyncio.to_thread(
                     pull_all, self.rank_id, self.params, transfers, dict(request.sender_endpoints),
-                    request.transport, request.timeout_seconds, verify=request.verify, version=request.version)
+                    request.transport, request.timeout_seconds, verify=request.verify, version=request.version,
+                    tickets=dict(request.sender_tickets), sync_id=request.sync_id)
             except (ValueError, TransportError) as exc:
                 await self._resume(old)
                 log.warning("apply_failed", rank_id=self.rank_id, version=request.version, error=str(exc))

@@ -75,8 +75,9 @@ def build_links(rank_id: str, tensors: Mapping[str, torch.Tensor], transfers: Se
 
 def pull_all(rank_id: str, tensors: Mapping[str, torch.Tensor], transfers: Sequence[TransferLike],
              endpoints: Mapping[str, str], transport: str, timeout: float, *, verify: bool = False,
-             version: int = 0) -> PullResult:
-    """Pull every transfer into the live tensors (one thread per sender); TransportError names ranks and tensor."""
+             version: int = 0, tickets: Mapping[str, str] | None = None, sync_id: str = "") -> PullResult:
+    """Pull every transfer into the live tensors (one thread per sender); TransportError names ranks and tensor.
+    `tickets` (sender -> ticket) and `sync_id` come from the coordinator's ApplyRequest."""
     start = time.monotonic()
     deadline = start + timeout
     impl = transports.get(transport)
@@ -85,8 +86,9 @@ def pull_all(rank_id: str, tensors: Mapping[str, torch.Tensor], transfers: Seque
         if src not in endpoints:
             raise ValueError(f"sender_endpoints: no {transport} endpoint for sender {src}")
     crcs: dict[str, list[int]] = {}
-    with torch.no_grad(), ThreadPoolExecutor(max_workers=max(1, min(len(links), 16))) as pool:
-        futures = {src: pool.submit(_pull_link, impl, endpoints[src], link, items, version, crcs)
+    with ThreadPoolExecutor(max_workers=max(1, min(len(links), 16))) as pool:
+        auth = {src: {"ticket": (tickets or {}).get(src, ""), "sync_id": sync_id} for src in links}
+        futures = {src: pool.submit(_pull_link, impl, endpoints[src], link, items, version, crcs, auth[src])
                    for src, (link, items) in sorted(links.items())}
         errors = []
         for fut in futures.values():
@@ -106,8 +108,9 @@ def pull_all(rank_id: str, tensors: Mapping[str, torch.Tensor], transfers: Seque
     return PullResult(total, time.monotonic() - start, checksum)
 
 
+@torch.no_grad()  # grad mode is per thread: each pulling thread writes live parameters outside autograd itself
 def _pull_link(impl: transports.Transport, endpoint: str, link: Link, items: list[list[Any]], version: int,
-               crcs: dict[str, list[int]]) -> None:
+               crcs: dict[str, list[int]], auth: dict[str, str] | None = None) -> None:
     try:
         host, port = endpoint.rsplit(":", 1)
         left = link.deadline - time.monotonic()
@@ -117,7 +120,8 @@ def _pull_link(impl: transports.Transport, endpoint: str, link: Link, items: lis
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             options = getattr(impl, "request_options", dict)()
             send_frame(conn, {"op": "pull", "transport": impl.name, "receiver": link.dst, "version": version,
-                              "verify": link.verify, "timeout": max(1.0, left), "items": items, **options})
+                              "verify": link.verify, "timeout": max(1.0, left), "items": items, **options,
+                              **(auth or {})})
             reply = recv_frame(conn)
             if "error" in reply:
                 raise TransportError(reply["error"])

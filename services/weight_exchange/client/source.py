@@ -5,7 +5,8 @@ sender checks them all, then hands the connection to the requested transport, wh
 parameter memory, and ends with a frame saying whether the read was clean. Reads are never torn: the
 trainer brackets every step that mutates the parameters with `begin_update` / `end_update(version)`
 (a sequence lock), and a read is refused while an update runs, when it asks for another version, and
-(in the end frame) when an update started while it was being served.
+(in the end frame) when an update started while it was being served. With a `key` (every SenderAgent has one),
+a pull is served only with the ticket the coordinator issued for this receiver, version and update (tickets.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from services.common.logging import get_logger
-from services.weight_exchange.client import transports
+from services.weight_exchange.client import tickets, transports
 from services.weight_exchange.client.regions import Region
 from services.weight_exchange.client.wire import TransportError, crc, recv_frame, region_view, send_frame
 
@@ -30,8 +31,9 @@ class SenderServer:
     """Serves this rank's tensors to receivers over every transport it offers."""
 
     def __init__(self, rank_id: str, tensors: Mapping[str, torch.Tensor], host: str = "127.0.0.1",
-                 transport_names: tuple[str, ...] = ("tcp",)) -> None:
+                 transport_names: tuple[str, ...] = ("tcp",), *, key: bytes | None = None) -> None:
         self.rank_id = rank_id
+        self.key = key                       # None: any pull is served (a bare data server, e.g. in benchmarks)
         self.tensors = {k: v.detach() for k, v in tensors.items()}
         self.host = host
         self.transport_names = tuple(transport_names)
@@ -121,6 +123,13 @@ class SenderServer:
                 receiver = str(request.get("receiver", "?"))
                 conn.settimeout(float(request.get("timeout", 60.0)))
                 version = int(request.get("version", 0))
+                if self.key is not None and not tickets.ticket_ok(self.key, request.get("ticket"), receiver, version,
+                                                                  request.get("sync_id")):
+                    log.warning("pull_refused", rank_id=self.rank_id, receiver=receiver, version=version,
+                                reason="no valid ticket")
+                    send_frame(conn, {"error": f"sender {self.rank_id}: pull refused: no valid ticket from the "
+                                               f"coordinator for {receiver} at version {version}"})
+                    return
                 try:
                     views = self.resolve(request["items"])
                     if request["transport"] not in self.transport_names:

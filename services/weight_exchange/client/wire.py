@@ -67,12 +67,19 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
+def host(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor of `t`'s values: `t` itself when it is one, else a copy (a GPU / NPU parameter)."""
+    if t.device.type == "cpu":
+        return t if t.is_contiguous() else t.contiguous()
+    return t.detach().contiguous().cpu()
+
+
 def region_view(t: torch.Tensor, region: Region) -> torch.Tensor:
     return t[region.slices()] if region.ndim else t
 
 
 def crc(t: torch.Tensor) -> int:
-    return zlib.crc32(byte_view(t if t.is_contiguous() else t.contiguous()))
+    return zlib.crc32(byte_view(host(t)))
 
 
 def torch_dtype(name: str) -> torch.dtype:

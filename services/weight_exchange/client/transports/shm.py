@@ -80,7 +80,7 @@ class ShmTransport:
             link.current = k
             assert item.dst is not None
             remote = cma.runs(ptr, shape, strides, itemsize)
-            if str(item.dst.dtype).removeprefix("torch.") == item.dtype:
+            if str(item.dst.dtype).removeprefix("torch.") == item.dtype and item.dst.device.type == "cpu":
                 cma.read(pid, remote, cma.runs(*cma.describe(item.dst)))
                 continue
             if staging is None:

@@ -1,4 +1,5 @@
-"""TCP: the sender streams the regions on the control connection, the receiver reads into the live tensors."""
+"""TCP: the sender streams the regions on the control connection, the receiver reads into the live tensors.
+Device tensors go through the host: the sender sends a CPU copy, the receiver stages and copies in place."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 import torch
 
 from services.weight_exchange.client.transports.base import Link, direct, staged
-from services.weight_exchange.client.wire import byte_view, recv_into, send_frame, set_deadline
+from services.weight_exchange.client.wire import byte_view, host, recv_into, send_frame, set_deadline
 
 
 class TcpTransport:
@@ -17,7 +18,7 @@ class TcpTransport:
     def serve(self, conn: socket.socket, request: dict[str, Any], views: list[torch.Tensor], server: Any) -> None:
         send_frame(conn, {"ok": True})
         for v in views:
-            conn.sendall(byte_view(v if v.is_contiguous() else v.contiguous()))
+            conn.sendall(byte_view(host(v)))
 
     def pull(self, conn: socket.socket, reply: dict[str, Any], link: Link) -> None:
         staging = None
@@ -25,7 +26,7 @@ class TcpTransport:
             link.current = k
             set_deadline(conn, link.deadline)
             assert item.dst is not None
-            if direct(item):
+            if direct(item) and item.dst.device.type == "cpu":
                 recv_into(conn, byte_view(item.dst))
                 continue
             if staging is None:

@@ -11,6 +11,7 @@ import dataclasses
 import torch
 
 from services.common.contracts import data_pb2
+from services.common.staleness import staleness
 
 
 @dataclasses.dataclass
@@ -28,6 +29,9 @@ class PackedBatch:
     def rows(self, index: torch.Tensor) -> PackedBatch:
         return PackedBatch(**{f.name: getattr(self, f.name)[index] for f in dataclasses.fields(self)})
 
+    def to(self, device: torch.device) -> PackedBatch:
+        return PackedBatch(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
+
     @property
     def size(self) -> int:
         return self.input_ids.shape[0]
@@ -44,25 +48,24 @@ def pack(trajectories: list[data_pb2.Trajectory], pad_token_id: int) -> PackedBa
             if len(getattr(t, field)) != n:
                 raise ValueError(f"{field}: {len(getattr(t, field))} entries for {n} tokens in {t.trajectory_id}")
     width = max(len(t.prompt_ids) + len(t.completion_ids) for t in trajectories)
-    b = len(trajectories)
-    input_ids = torch.full((b, width), pad_token_id, dtype=torch.long)
-    attention = torch.zeros((b, width), dtype=torch.long)
-    loss_mask = torch.zeros((b, width - 1))
-    behav = torch.zeros((b, width - 1))
-    versions = torch.full((b, width - 1), -1, dtype=torch.long)
+    # rows built as Python lists and turned into tensors once per field: one torch.tensor call per row and
+    # field cost ~0.3 s for 512 rows
+    input_ids, attention, loss_mask, behav, versions = [], [], [], [], []
     group_index: dict[str, int] = {}
     groups = []
-    for i, t in enumerate(trajectories):
+    for t in trajectories:
         p, c = len(t.prompt_ids), len(t.completion_ids)
-        input_ids[i, : p + c] = torch.tensor(list(t.prompt_ids) + list(t.completion_ids))
-        attention[i, : p + c] = 1
-        if c:
-            cols = slice(p - 1, p - 1 + c)
-            loss_mask[i, cols] = torch.tensor(list(t.loss_mask), dtype=torch.float)
-            behav[i, cols] = torch.tensor(list(t.behavior_logprobs))
-            versions[i, cols] = torch.tensor(list(t.versions))
+        pad = width - p - c
+        input_ids.append([*t.prompt_ids, *t.completion_ids] + [pad_token_id] * pad)
+        attention.append([1] * (p + c) + [0] * pad)
+        before, after = [0.0] * (p - 1), [0.0] * pad  # next-token grid: completion token j sits at p - 1 + j
+        loss_mask.append([*before, *t.loss_mask, *after])
+        behav.append([*before, *t.behavior_logprobs, *after])
+        versions.append([-1] * (p - 1) + list(t.versions) + [-1] * pad)
         groups.append(group_index.setdefault(t.group_id, len(group_index)))
-    return PackedBatch(input_ids, attention, loss_mask, behav, versions,
+    return PackedBatch(torch.tensor(input_ids, dtype=torch.long), torch.tensor(attention, dtype=torch.long),
+                       torch.tensor(loss_mask, dtype=torch.float), torch.tensor(behav, dtype=torch.float),
+                       torch.tensor(versions, dtype=torch.long),
                        torch.tensor([t.reward for t in trajectories], dtype=torch.float),
                        torch.tensor(groups, dtype=torch.long),
                        torch.tensor([len(t.completion_ids) for t in trajectories], dtype=torch.long),
@@ -70,8 +73,7 @@ def pack(trajectories: list[data_pb2.Trajectory], pad_token_id: int) -> PackedBa
 
 
 def trajectory_staleness(t: data_pb2.Trajectory, train_version: int) -> int:
-    generated = [v for v in t.versions if v >= 0]
-    return train_version - min(generated) if generated else 0
+    return staleness(t.versions, train_version)
 
 
 def distinct_versions(t: data_pb2.Trajectory) -> int:

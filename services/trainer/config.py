@@ -6,10 +6,12 @@ import dataclasses
 from typing import Any
 
 from services.common.config import ServiceConfig
+from services.common.device import check_device
 from services.trainer.algorithms import PRESETS, Algorithm, AlgorithmConfig
 from services.trainer.critic import CriticConfig
 from services.trainer.lora import LoraConfig
 from services.trainer.optim import OptimConfig
+from services.trainer.packing import PackingConfig
 from services.trainer.reference import ReferenceConfig
 
 # Run configs switch dynamic sampling on for the online presets; an offline objective selects its own
@@ -28,6 +30,7 @@ class TrainerConfig(ServiceConfig):
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)          # built when the preset needs one
     reference: ReferenceConfig = dataclasses.field(default_factory=ReferenceConfig)  # built when the preset needs one
+    packing: PackingConfig = dataclasses.field(default_factory=PackingConfig)  # sequence packing of the forwards
     max_new_tokens: int = 8                             # the rollout's generation limit (builder sampling)
     sft_min_reward: float = 0.0                         # sft: train on samples with reward above this
     temperature: float = 1.0                            # the rollout's sampling temperature
@@ -35,7 +38,13 @@ class TrainerConfig(ServiceConfig):
     checkpoint_every: int = 5                           # steps between resumable checkpoints; 0 = only the final one
     keep_checkpoints: int = 2                           # newest resumable checkpoints kept in run_dir/checkpoints
     seed: int = 0
+    dtype: str = "float32"                              # bfloat16: forward and backward under bf16 autocast
     torch_threads: int = 1
+    device: str = "cpu"                                 # cpu | cuda | npu, or cuda:N / npu:N: model, batches, optimizer
+    backend: str = "torch"                              # torch (one process) | fsdp2 (sharded over ranks)
+    ranks: int = 1                                      # trainer processes (fsdp2: data-parallel ranks; rank 0 serves)
+    rank_timeout: float = 120.0                         # seconds a rank waits on another before the group fails
+    shard_sync: bool = False                            # fsdp2: every rank serves its own shards to the weight sync
     wx_address: str = "127.0.0.1:50055"                 # weight_exchange; empty: no weight sync
     weight_transport: str = "shm"
     weight_host: str = "127.0.0.1"                      # where receivers reach this rank's weights (a container's IP)
@@ -43,6 +52,8 @@ class TrainerConfig(ServiceConfig):
     sync_retries: int = 3                               # weight-sync attempts after the first one fails
 
     def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype: must be float32 or bfloat16, got {self.dtype!r}")
         if self.temperature <= 0:
             raise ValueError(f"temperature: must be > 0, got {self.temperature}")
         if self.total_steps < 0 or self.checkpoint_every < 0:
@@ -53,7 +64,33 @@ class TrainerConfig(ServiceConfig):
             raise ValueError(f"sync_retries: must be >= 0, got {self.sync_retries}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+        check_device(self.device)
         self.build_algorithm()  # an unknown preset or setting stops start-up here
+        self.check_backend()
+
+    def check_backend(self) -> None:
+        from services.trainer.backends import BACKENDS
+
+        if self.backend == "megatron":
+            raise ValueError("backend: megatron is not a training backend yet (services/trainer/megatron converts "
+                             "weights and computes vocab-parallel log-probs; no step drives it); use torch or fsdp2")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.ranks < 1:
+            raise ValueError(f"ranks: must be >= 1, got {self.ranks}")
+        if self.rank_timeout <= 0:
+            raise ValueError(f"rank_timeout: must be > 0, got {self.rank_timeout}")
+        if self.backend == "torch" and self.ranks != 1:
+            raise ValueError(f"ranks: the torch backend runs one rank, got {self.ranks} (backend: fsdp2 shards)")
+        if self.shard_sync and self.backend != "fsdp2":
+            raise ValueError(f"shard_sync: needs backend: fsdp2, got {self.backend!r}")
+        if self.backend == "fsdp2":
+            algo = self.build_algorithm()
+            if self.lora.enabled:
+                raise ValueError("lora.enabled: the fsdp2 backend trains full weights only (use backend: torch)")
+            if algo.is_offline or algo.needs_critic:
+                raise ValueError(f"backend: fsdp2 runs the online presets without a critic; {self.algo!r} "
+                                 "needs backend: torch")
 
     def algorithm_config(self) -> AlgorithmConfig:
         """The preset with ``algo_overrides`` on top; ``max_new_tokens`` unless the overrides set it."""

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from services.trainer.algorithms import Algorithm, masked_mean, sequence_logp, token_entropy, token_logp
+from services.trainer.algorithms import Algorithm, masked_mean, token_entropy, token_logp
 from services.trainer.batching import PackedBatch
 from services.trainer.forward import frozen_logp, sequence_logits
 from services.trainer.optim import OptimConfig, StatsMean, apply_update
@@ -49,14 +49,14 @@ def offline_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, algo:
     pairs = batch.rows(torch.cat([chosen, rejected]))
     ref = reference.logp(pairs, temperature)
     metrics["kl_ref_k3"] = kl_to_reference(frozen_logp(model, pairs, temperature), ref, pairs.loss_mask)
-    ref_seq = sequence_logp(ref, pairs.loss_mask)
+    ref_seq = algo.sequence_logp(ref, pairs.loss_mask)
     n = chosen.numel()
     acc = StatsMean()
     for part in minibatches(n, optim, generator):
         rows = torch.cat([part, part + n])  # the chosen halves, then their rejected partners
         mb = pairs.rows(rows)
         logp, entropy = _logp_entropy(model, mb, temperature)
-        seq = sequence_logp(logp, mb.loss_mask)
+        seq = algo.sequence_logp(logp, mb.loss_mask)
         k = part.numel()
         loss, stats = algo.preference_loss(seq[:k], seq[k:], ref_seq[part], ref_seq[part + n])
         if torch.isfinite(loss):

@@ -11,24 +11,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import pathlib
 
 import grpc
 import prometheus_client
 import torch
 
+from services.common.auth import client_security, nats_credentials, server_security
 from services.common.batches import batch_subject, wait_batch
 from services.common.bus import SUBJECT_VERSIONS, TRANSIENT, Bus, InvalidMessage, wait_either
 from services.common.contracts import common_pb2, data_pb2, trainer_pb2, trainer_pb2_grpc
 from services.common.deadletters import DeadLetterWatch
 from services.common.ids import now
 from services.common.logging import get_logger
-from services.common.rpc import Servicer, start_server
+from services.common.rpc import Servicer, invalid_argument, start_server
 from services.common.service import supervise
 from services.trainer.batching import distinct_versions, pack, trajectory_staleness
-from services.trainer.checkpoint import latest_checkpoint, prune_checkpoints, read_lineage, remove_leftovers
+from services.trainer.checkpoint import MANIFEST, latest_checkpoint, prune_checkpoints, read_lineage, remove_leftovers
 from services.trainer.config import TrainerConfig
-from services.trainer.engine import TrainerEngine
+from services.trainer.engine import TrainerBackend, build_engine
 
 VERSION = prometheus_client.Gauge("meshrl_trainer_policy_version", "Trainer policy version")
 STEP_METRICS = prometheus_client.Gauge("meshrl_trainer_step_metric", "Last step metrics", ["name"])
@@ -43,14 +45,21 @@ NO_RETRY = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMEN
             grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 
+def setup_torch(config: TrainerConfig) -> None:
+    torch.manual_seed(config.seed)
+    if config.torch_threads > 0:
+        torch.set_num_threads(config.torch_threads)
+
+
 class Trainer:
-    def __init__(self, config: TrainerConfig, bus: Bus) -> None:
+    def __init__(self, config: TrainerConfig, bus: Bus, engine: TrainerBackend | None = None) -> None:
+        """``engine``: rank 0 of a rank group (``backends.leader.Leader``); else built here from ``config``."""
         self.config = config
         self.bus = bus
-        torch.manual_seed(config.seed)
-        if config.torch_threads > 0:
-            torch.set_num_threads(config.torch_threads)
-        self.engine = TrainerEngine(config)
+        if engine is None:
+            setup_torch(config)
+            engine = build_engine(config)
+        self.engine = engine
         self.version = 0
         self.trajectories_trained = 0
         self.max_staleness = 0
@@ -67,6 +76,8 @@ class Trainer:
         self.run_dir = pathlib.Path(config.run_dir)
         self.checkpoints = self.run_dir / "checkpoints"
         self.log = get_logger().bind(rank_id=config.rank_id)
+        self.batch_wait = 0.0  # seconds the last batch was waited for (idle trainer)
+        self.last_sync = 0.0  # seconds the last weight sync took (it follows its TRAINED event: reported in the next)
 
     def resume(self) -> pathlib.Path | None:
         """Load the newest complete checkpoint in run_dir/checkpoints (incomplete ones are removed)."""
@@ -94,6 +105,7 @@ class Trainer:
                 await wait_either(self.running, stop)
                 continue
             index = self.version
+            waiting = now()
             try:
                 batch = await wait_batch(self.bus, index, stop)
             except InvalidMessage as exc:
@@ -109,12 +121,14 @@ class Trainer:
             if batch is None:
                 break
             if self.running.is_set():  # paused while waiting: read it again on resume
+                self.batch_wait = now() - waiting
                 await self.handle_batch(batch)
 
     async def handle_batch(self, batch: data_pb2.TrainingBatch) -> None:
         if batch.index != self.version:
             self.log.warning("batch_out_of_turn", index=batch.index, version=self.version)
             return
+        started = now()
         try:
             packed = pack(list(batch.trajectories), self.engine.pad_token_id)
             self.engine.check_token_ids(packed)
@@ -122,6 +136,8 @@ class Trainer:
             await self.skip(batch.index, str(exc))
             return
         staleness = [trajectory_staleness(t, self.version) for t in batch.trajectories]
+        phases = {"phase_batch_wait_seconds": self.batch_wait, "phase_pack_seconds": now() - started,
+                  "phase_previous_weight_sync_seconds": self.last_sync, **pipeline_phases(batch)}
         started = now()
         async with self.lock:
             metrics = await asyncio.to_thread(self._step, packed, self.version)
@@ -136,7 +152,7 @@ class Trainer:
         metrics.update(step_seconds=now() - started, staleness_max_batch=float(max(staleness)),
                        max_staleness_trained=float(self.max_staleness), trajectories_trained=self.trajectories_trained,
                        max_versions_in_one_trajectory=float(self.max_versions), dropped_stale=float(batch.dropped_stale),
-                       batch_index=float(batch.index))
+                       batch_index=float(batch.index), **phases)
         await self.after_step(metrics)
         self.log.info("step", version=self.version, reward=round(metrics["reward_mean"], 3),
                       loss=round(metrics.get("loss", 0.0), 4), staleness=int(max(staleness)))
@@ -145,7 +161,7 @@ class Trainer:
         """In a worker thread: the step, bracketed for the weight-sync sender (no torn reads)."""
         if self.sender is not None:
             self.sender.begin_update()
-        metrics = self.engine.step(packed, version)
+        metrics = {**self.engine.step(packed, version), **self.engine.last_phases}
         if self.sender is not None:
             self.sender.end_update(version + 1)
         return metrics
@@ -216,7 +232,7 @@ class Trainer:
                     metrics["weight_sync_failures"] = float(self.sync_failures)
                     return
                 await asyncio.sleep(min(2.0 ** attempt, 10.0))
-        metrics["weight_sync_seconds"] = now() - started
+        metrics["weight_sync_seconds"] = self.last_sync = now() - started
         metrics["weight_sync_receivers"] = float(reply.num_receivers)
 
     async def checkpoint(self, path: str = "", *, final: bool = False, required: bool = True) -> pathlib.Path | None:
@@ -259,6 +275,44 @@ class Trainer:
             f.write(json.dumps({"version": self.version, **metrics}) + "\n")
 
 
+def pipeline_phases(batch: data_pb2.TrainingBatch) -> dict[str, float]:
+    """Mean seconds the batch's trajectories spent in each service before the trainer, from their timestamps:
+    issued -> generated (queue + generation), generated -> scored (reward), scored -> batched (grouping)."""
+    trajs = [t for t in batch.trajectories if t.created_at and t.generated_at and t.scored_at]
+    if not trajs:
+        return {}
+    n = len(trajs)
+    out = {"phase_generation_latency_seconds": sum(t.generated_at - t.created_at for t in trajs) / n,
+           "phase_reward_latency_seconds": sum(t.scored_at - t.generated_at for t in trajs) / n}
+    if batch.created_at:
+        out["phase_batching_latency_seconds"] = sum(batch.created_at - t.scored_at for t in trajs) / n
+    return out
+
+
+RESERVED = ("secrets", "nats", "config", "logs")  # parts of the run directory no checkpoint may land in
+
+
+def confined_checkpoint_path(run_dir: str | pathlib.Path, requested: str) -> pathlib.Path:
+    """Where a Checkpoint RPC may write `requested` (relative to the run directory, or absolute inside it); a
+    checkpoint replaces what is at its path, so ValueError for anything outside the run directory, the run
+    directory itself, its secrets/nats/config/logs, a symlink, or an existing path that is not a checkpoint."""
+    root = pathlib.Path(run_dir).resolve()
+    asked = pathlib.Path(requested)
+    target = asked if asked.is_absolute() else root / asked
+    if target.name in ("", ".", ".."):
+        raise ValueError(f"{requested!r} does not name a directory inside the run directory")
+    full = target.parent.resolve() / target.name
+    if full == root or not full.is_relative_to(root):
+        raise ValueError(f"{requested!r} is outside the run directory {root}")
+    if full.relative_to(root).parts[0] in RESERVED:
+        raise ValueError(f"{requested!r} is in the run directory's {full.relative_to(root).parts[0]}/ (reserved)")
+    if full.is_symlink():
+        raise ValueError(f"{requested!r} is a symlink")
+    if full.exists() and not (full.is_dir() and (full / MANIFEST).is_file()):
+        raise ValueError(f"{requested!r} exists and is not a checkpoint; refusing to replace it")
+    return full
+
+
 class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     def __init__(self, trainer: Trainer) -> None:
         self.t = trainer
@@ -271,7 +325,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             max_staleness_trained=t.max_staleness, dead_letters=t.dead_letters.counts)
 
     async def Checkpoint(self, request, context):
-        out = await self.t.checkpoint(request.path)
+        path = ""
+        if request.path:
+            try:
+                path = str(confined_checkpoint_path(self.t.run_dir, request.path))
+            except ValueError as exc:
+                await invalid_argument(context, "path", str(exc))
+        out = await self.t.checkpoint(path)
         return trainer_pb2.CheckpointReply(path=str(out), version=self.t.version)
 
     async def Pause(self, request, context):
@@ -283,22 +343,94 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         return common_pb2.Ack(ok=True, message="training resumed")
 
 
+def pin_cpus(service: str) -> None:
+    """MESHRL_CPUS_<SERVICE> (e.g. "1" or "0,1"): run this process on those CPUs only (benchmarks pin rollout and
+    trainer to separate cores)."""
+    cpus = os.environ.get(f"MESHRL_CPUS_{service.upper()}", "")
+    if cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+
+
 async def serve(config: TrainerConfig, stop: asyncio.Event) -> None:
-    bus = await Bus.connect(config.nats_url, name=config.rank_id, replicas=config.nats_replicas)
-    trainer = Trainer(config, bus)
+    """One trainer rank: rank 0 is the service; the other ranks of a group follow its commands."""
+    pin_cpus("trainer")
+    leader = None
+    if config.ranks > 1:
+        from services.trainer.backends.leader import Leader, follow
+
+        setup_torch(config)
+        engine = await asyncio.to_thread(build_engine, config)  # joins the group: every rank must arrive
+        if engine.rank != 0:
+            await follow_rank0(config, engine, stop, follow)
+            return
+        leader = Leader(engine, config.rank_timeout)
+        beat = asyncio.create_task(heartbeat(leader, stop), name="trainer-ranks-heartbeat")
+        supervise([beat], stop)  # from here on: bus connection and resume may take a while
+    try:
+        await serve_rank0(config, stop, leader)
+    finally:
+        if leader is not None:
+            beat.cancel()
+            await asyncio.gather(beat, return_exceptions=True)
+            await asyncio.to_thread(leader.stop)
+
+
+def weight_sender(config: TrainerConfig, engine):
+    """``shard_sync``: this rank's sender of its own live shards (rank 0 under ``rank_id``, rank r under
+    ``rank_id``-dp``r``), registered with their FSDP2 layout."""
+    from services.weight_exchange.client import SenderAgent
+
+    params, shards = engine.local_shards()
+    rank_id = config.rank_id if engine.rank == 0 else f"{config.rank_id}-dp{engine.rank}"
+    return SenderAgent(rank_id=rank_id, params=params, shards=shards, framework="fsdp2",
+                       parallel={"dp": engine.world}, wx_address=config.wx_address, **client_security(config),
+                       transports=(config.weight_transport,), host=config.weight_host)
+
+
+async def follow_rank0(config: TrainerConfig, engine, stop: asyncio.Event, follow) -> None:
+    """A rank > 0: rank 0's commands; with ``shard_sync``, also serving this rank's shards to the weight sync."""
+    sender, tasks = None, []
+    if config.wx_address and config.shard_sync:
+        sender = weight_sender(config, engine)
+        await sender.open()
+        tasks.append(asyncio.create_task(sender.keep_registered(stop), name="wx_register"))
+        supervise(tasks, stop)
+    try:
+        await asyncio.to_thread(follow, engine, config.rank_timeout, stop, sender)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if sender is not None:
+            await sender.close()
+
+
+async def heartbeat(leader, stop: asyncio.Event) -> None:
+    """Rank 0 of a group while idle: a dead rank fails this task, which takes the service down."""
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=leader.interval / 2)
+        if not stop.is_set():
+            await asyncio.to_thread(leader.heartbeat)
+
+
+async def serve_rank0(config: TrainerConfig, stop: asyncio.Event, leader=None) -> None:
+    bus = await Bus.connect(config.nats_url, name=config.rank_id, replicas=config.nats_replicas,
+                            **nats_credentials(config))
+    trainer = Trainer(config, bus, engine=leader)
     trainer.resume()
     rpc = await start_server(config.grpc_address, [Servicer(
         trainer_pb2_grpc.add_TrainerServiceServicer_to_server, TrainerServicer(trainer),
-        trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name)], auth_token=config.auth_token)
+        trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name)], security=server_security(config))
     tasks: list[asyncio.Task] = [asyncio.create_task(trainer.dead_letters.run(stop), name="dead-letter-counts")]
     supervise(tasks, stop)
     try:
         if config.wx_address:
             from services.weight_exchange.client import SenderAgent
 
-            sender = SenderAgent(rank_id=config.rank_id, params=trainer.engine.weights(),
-                                 wx_address=config.wx_address, token=config.auth_token,
-                                 transports=(config.weight_transport,), host=config.weight_host)
+            sender = weight_sender(config, trainer.engine) if config.shard_sync else SenderAgent(
+                rank_id=config.rank_id, params=trainer.engine.weights(), wx_address=config.wx_address,
+                **client_security(config), transports=(config.weight_transport,), host=config.weight_host)
             sender.end_update(trainer.version)  # the parameters hold the resumed version
             await sender.open()
             trainer.sender = sender
@@ -309,6 +441,7 @@ async def serve(config: TrainerConfig, stop: asyncio.Event) -> None:
             await wait_either(sender.registered, stop)
         engine = trainer.engine
         get_logger().info("serving", grpc_port=rpc.port, algo=config.algo, lora=config.lora.enabled,
+                          backend=config.backend, ranks=config.ranks,
                           critic=engine.critic is not None, reference=engine.reference is not None,
                           trainable_parameters=engine.trainable_parameters(), version=trainer.version,
                           resumed_from=str(trainer.resumed_from or ""))

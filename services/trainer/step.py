@@ -7,16 +7,18 @@ Offline presets (``sft``, ``dpo``) go to ``offline_step``.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import torch
 
-from services.trainer.algorithms import Algorithm, kl_estimate, masked_mean, token_entropy, token_logp
+from services.trainer.algorithms import Algorithm, kl_estimate, masked_mean, token_entropy
 from services.trainer.batching import PackedBatch, batch_staleness
-from services.trainer.forward import frozen_logp, policy_logp, sequence_logits
+from services.trainer.forward import frozen_logp, logp_and_entropy, policy_logp, sequence_logits
 from services.trainer.optim import OptimConfig, StatsMean, apply_update
 
 if TYPE_CHECKING:
+    from services.trainer.backends.shards import RowShards
     from services.trainer.critic import Critic
     from services.trainer.reference import Reference
 
@@ -37,6 +39,15 @@ def kl_to_reference(logp: torch.Tensor, ref_logp: torch.Tensor, loss_mask: torch
     return float(masked_mean(kl, mask)) if mask.any() else 0.0
 
 
+def step_entropy(logits: torch.Tensor, temperature: float, *, with_grad: bool) -> torch.Tensor:
+    """Per-token entropy: differentiable when the loss has an entropy bonus, else a no-grad metric (no
+    vocabulary-sized graph kept for the backward pass)."""
+    if with_grad:
+        return token_entropy(logits, temperature)
+    with torch.no_grad():
+        return token_entropy(logits.detach(), temperature)
+
+
 def minibatches(n: int, optim: OptimConfig, generator: torch.Generator):
     """Index tensors of each minibatch of each epoch (shuffled per epoch)."""
     for _ in range(optim.epochs):
@@ -49,8 +60,14 @@ def minibatches(n: int, optim: OptimConfig, generator: torch.Generator):
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, algo: Algorithm, batch: PackedBatch, *,
                version: int, optim: OptimConfig, temperature: float, generator: torch.Generator,
                schedule: torch.optim.lr_scheduler.LRScheduler | None = None, critic: Critic | None = None,
-               reference: Reference | None = None, sft_min_reward: float = 0.0) -> dict[str, float]:
-    """One step of ``algo`` on ``batch``; returns the step's metrics (means over updates, maxima for ``*_max``)."""
+               reference: Reference | None = None, sft_min_reward: float = 0.0,
+               phases: dict[str, float] | None = None, shards: RowShards | None = None) -> dict[str, float]:
+    """One step of ``algo`` on ``batch``; returns the step's metrics (means over updates, maxima for ``*_max``).
+    ``phases``, when given, receives the seconds spent in each phase (kept out of the metrics: those are a
+    deterministic function of the inputs). ``shards`` (data-parallel ranks, each holding the whole batch): the
+    no-grad forwards are split across the ranks and gathered, each rank trains its share of every minibatch
+    with its loss weighted by its share of the minibatch's loss weight, and the stats are reduced over ranks."""
+    phases = {} if phases is None else phases
     if algo.is_offline:
         from services.trainer.offline_step import offline_step
 
@@ -68,12 +85,17 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, algo: A
         batch = batch.rows(torch.nonzero(report.keep).squeeze(-1))
     if batch.size == 0:
         return {**metrics, "updates": 0.0}
-    prox = frozen_logp(model, batch, temperature) if algo.needs_prox_logp else None
-    ref = reference.logp(batch, temperature) if reference is not None else None
+    started = time.perf_counter()
+    def every_row(fn):
+        return fn(batch) if shards is None else shards.gather_rows(fn, batch)
+
+    prox = every_row(lambda b: frozen_logp(model, b, temperature)) if algo.needs_prox_logp else None
+    ref = every_row(lambda b: reference.logp(b, temperature)) if reference is not None else None
     if ref is not None:
-        start = prox if prox is not None else frozen_logp(model, batch, temperature)
+        start = prox if prox is not None else every_row(lambda b: frozen_logp(model, b, temperature))
         metrics["kl_ref_k3"] = kl_to_reference(start, ref, batch.loss_mask)
     old_values = critic.frozen_values(batch) if critic is not None else None
+    phases["recompute"] = time.perf_counter() - started  # no-grad forwards: prox, reference, critic
     result = algo.compute_advantages(
         batch.rewards, batch.group_ids, batch.loss_mask, values=old_values,
         old_logp=prox if prox is not None else batch.behav_logp, ref_logp=ref, lengths=batch.lengths,
@@ -83,22 +105,30 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, algo: A
     if result.kl_penalty is not None:
         metrics["kl_reward_mean"] = float(masked_mean(result.kl_penalty, batch.loss_mask.bool()))
     acc, skipped = StatsMean(), 0
+    forward = update = 0.0
     for part in minibatches(batch.size, optim, generator):
+        started = time.perf_counter()
+        if shards is not None:
+            part, scale, weight = shards.split(part, batch.loss_mask, algo.loss_weight)
         mb = batch.rows(part)
-        logits = sequence_logits(model, mb)
-        logp = token_logp(logits, mb.input_ids[:, 1:], temperature)
-        with torch.no_grad():
-            entropy = token_entropy(logits.detach(), temperature)
+        logp, entropy = logp_and_entropy(model, mb, temperature, entropy_grad=algo.config.entropy_coef > 0)
         loss, stats = algo.policy_loss(
             logp=logp, prox_logp=None if prox is None else prox[part], behav_logp=mb.behav_logp,
             advantages=result.advantages[part], loss_mask=mb.loss_mask, versions=mb.versions,
             current_version=version, entropy=entropy, ref_logp=None if ref is None else ref[part])
-        if not torch.isfinite(loss):  # never step on a NaN / inf loss
+        if shards is not None:
+            loss, stats = loss * scale, shards.mean_stats(stats, weight)
+        finite = bool(torch.isfinite(loss)) if shards is None else shards.all_finite(loss)
+        forward += time.perf_counter() - started
+        if not finite:  # never step on a NaN / inf loss
             skipped += 1
             continue
+        started = time.perf_counter()
         stats.update(apply_update(model, optimizer, loss, optim.grad_clip, schedule))
         if critic is not None:
             stats.update(critic.update(algo, mb, old_values[part], result.returns[part]))
+        update += time.perf_counter() - started
         acc.add(stats)
     metrics.update(acc.result(), nonfinite_skipped=float(skipped))
+    phases.update(forward=forward, update=update)  # update: backward, clipping, optimizer step (and critic)
     return metrics

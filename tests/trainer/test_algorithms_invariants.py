@@ -239,6 +239,8 @@ def test_overrides_apply():
         ("grpo", {"eps_clip": -0.1}, "eps_clip"),
         ("grpo", {"loss_agg": "sum"}, "loss_agg"),
         ("grpo", {"c_clip": 0.5}, "c_clip"),
+        ("sapo", {"c_clip": 3.0}, "c_clip"),
+        ("cispo", {"c_clip": 3.0}, "c_clip"),
         ("grpo", {"objective": "trpo"}, "objective"),
         ("grpo", {"behav_imp_weight_floor": 6.0}, "behav_imp_weight_floor"),
         ("sapo", {"m2_threshold": 0.04}, "m2_threshold"),

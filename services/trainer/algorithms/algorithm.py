@@ -10,7 +10,7 @@ import torch
 from .advantages import gae, normalize_rewards, token_rewards, whiten
 from .aggregation import aggregate, loss_weight, masked_mean
 from .losses import TokenLoss, cispo_loss, gspo_loss, ppo_clip_loss, sapo_loss, value_loss
-from .offline import dpo_loss, sft_loss
+from .offline import dpo_loss, sequence_logp, sft_loss
 from .offpolicy import behaviour_weights, loglinear_prox_logp, m2po_mask, staleness
 from .sampling import GroupFilter, filter_uniform_groups
 from .shaping import kl_estimate, kl_reward_penalty, overlong_penalty, shape_rewards
@@ -144,7 +144,9 @@ class Algorithm:
                 logp, centre, adv, mask, eps_clip=c.eps_clip, eps_clip_higher=c.eps_clip_higher, c_clip=c.c_clip
             )
         if c.objective == "gspo":
-            return gspo_loss(logp, centre, adv, mask, eps_clip=c.eps_clip, eps_clip_higher=c.eps_clip_higher)
+            return gspo_loss(
+                logp, centre, adv, mask, eps_clip=c.eps_clip, eps_clip_higher=c.eps_clip_higher, c_clip=c.c_clip
+            )
         if c.objective == "sapo":
             return sapo_loss(logp, centre, adv, mask, tau_pos=c.sapo_tau_pos, tau_neg=c.sapo_tau_neg)
         assert c.objective == "cispo", c.objective
@@ -275,6 +277,10 @@ class Algorithm:
             values, old_values, returns, loss_mask, eps_clip=c.value_eps_clip, loss_type=c.value_loss_type
         )
 
+    def sequence_logp(self, logp: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        """Per-row sequence log-prob for the preference loss: summed (DPO), length-normalised (IPO)."""
+        return sequence_logp(logp, loss_mask, mean=self.config.dpo_loss_type == "ipo")
+
     def preference_loss(
         self,
         policy_chosen: torch.Tensor,
@@ -282,7 +288,7 @@ class Algorithm:
         ref_chosen: torch.Tensor,
         ref_rejected: torch.Tensor,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """DPO / IPO on per-pair sequence log-probs float[P] (see offline.sequence_logp)."""
+        """DPO / IPO on per-pair sequence log-probs float[P] (from ``self.sequence_logp``)."""
         c = self.config
         return dpo_loss(
             policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=c.dpo_beta, loss_type=c.dpo_loss_type

@@ -64,7 +64,7 @@ class AlgorithmConfig:
     # Policy objective
     eps_clip: float | None = 0.2  # None = no ratio clip
     eps_clip_higher: float | None = None  # None = eps_clip (DAPO clip-higher otherwise)
-    c_clip: float | None = None  # dual clip, > 1
+    c_clip: float | None = None  # dual clip, > 1 (ppo: per token, gspo: per sequence; others reject it)
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05
     entropy_coef: float = 0.0
@@ -112,6 +112,11 @@ class AlgorithmConfig:
                 raise ValueError(f"algorithm setting {name}={value!r} must be >= 0")
         if self.c_clip is not None and not self.c_clip > 1:
             raise ValueError(f"algorithm setting c_clip={self.c_clip!r} must be > 1")
+        if self.c_clip is not None and self.objective not in ("ppo", "gspo"):
+            raise ValueError(
+                f"algorithm setting c_clip={self.c_clip!r}: the dual clip bounds a clipped ratio surrogate (ppo, gspo); "
+                f"objective {self.objective!r} has none (sapo gates softly, cispo clips a stop-gradient weight)"
+            )
         for name in ("discount", "gae_lambda"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"algorithm setting {name}={getattr(self, name)!r} must be in [0, 1]")

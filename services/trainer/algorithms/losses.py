@@ -83,15 +83,17 @@ def gspo_loss(
     *,
     eps_clip: float | None = 3e-4,
     eps_clip_higher: float | None = 4e-4,
+    c_clip: float | None = None,
 ) -> TokenLoss:
     """GSPO: sequence ratio s_i = exp(mean_t(logp - old_logp)) and the row's mean advantage, clipped
-    like PPO; every trained token of a row carries the row's loss (aggregate with a seq-mean mode)."""
+    like PPO (``c_clip``: the dual clip on the sequence surrogate); every trained token of a row carries
+    the row's loss (aggregate with a seq-mean mode)."""
     mask = loss_mask.bool()
     count = mask.sum(-1, keepdim=True).clamp(min=1)
     seq_ratio = torch.exp(_log_ratio(logp, old_logp, mask).sum(-1, keepdim=True) / count)
     seq_adv = _adv(advantages, mask).sum(-1, keepdim=True) / count
     shape = mask.shape
-    return _clipped_surrogate(seq_ratio.expand(shape), seq_adv.expand(shape), mask, eps_clip, eps_clip_higher, None)
+    return _clipped_surrogate(seq_ratio.expand(shape), seq_adv.expand(shape), mask, eps_clip, eps_clip_higher, c_clip)
 
 
 def sapo_loss(

@@ -12,9 +12,10 @@ from .aggregation import AggMode, aggregate, masked_sum
 DPOLossType = Literal["sigmoid", "ipo"]
 
 
-def sequence_logp(logp: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Sum of the trained tokens' log-probs per row, float[B]."""
-    return masked_sum(logp, loss_mask, dim=-1)
+def sequence_logp(logp: torch.Tensor, loss_mask: torch.Tensor, *, mean: bool = False) -> torch.Tensor:
+    """Sum (``mean``: mean) of the trained tokens' log-probs per row, float[B]; an empty row gives 0."""
+    total = masked_sum(logp, loss_mask, dim=-1)
+    return total / loss_mask.bool().sum(-1).clamp(min=1) if mean else total
 
 
 def dpo_loss(
@@ -29,6 +30,8 @@ def dpo_loss(
     """Preference loss on sequence log-probs float[P] of P pairs, averaged over pairs.
 
     h = (pi_c - pi_r) - (ref_c - ref_r);  DPO: -log sigmoid(beta * h);  IPO: (h - 1/(2*beta))^2.
+    IPO expects length-normalised log-probs (``sequence_logp(..., mean=True)``, as TRL and AReaL do):
+    with sums the fixed target margin 1/(2*beta) means something different for every length.
     """
     h = (policy_chosen - policy_rejected) - (ref_chosen.detach() - ref_rejected.detach())
     if loss_type == "sigmoid":

@@ -80,6 +80,16 @@ PRESETS: dict[str, dict[str, Any]] = {
     "sapo": {"objective": "sapo", **_GROUP, "sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05, "use_decoupled_loss": False},
     "cispo": {"objective": "cispo", **_GROUP, "eps_clip": 1.0, "eps_clip_higher": 0.28, **_DECOUPLED},
     "m2po": {"objective": "ppo", **_GROUP, "eps_clip": None, **_DECOUPLED, "m2_threshold": 0.04},
+    "icepop": {
+        "objective": "ppo",
+        **_GROUP,
+        "eps_clip": 0.2,
+        "use_decoupled_loss": True,
+        "behav_imp_weight_floor": 0.5,
+        "behav_imp_weight_cap": 5.0,
+        "behav_imp_weight_mode": "mask",
+        "behav_imp_weight_level": "token",
+    },
     "dpo": {"objective": "dpo", "dpo_beta": 0.1, "dpo_loss_type": "sigmoid"},
     "sft": {"objective": "sft", "loss_agg": "token_mean"},
 }
@@ -96,8 +106,15 @@ DESCRIPTIONS: dict[str, str] = {
     "sapo": "SAPO: soft sigmoid gate instead of a hard clip",
     "cispo": "CISPO: clipped stop-gradient importance weight on log pi",
     "m2po": "M2PO: second-moment token masking, no ratio clip",
+    "icepop": "IcePop: tokens whose train/infer ratio leaves [0.5, 5] are masked (two-sided), PPO clip",
     "dpo": "DPO: offline preference pairs against a frozen reference",
     "sft": "SFT: negative log-likelihood of the trained tokens",
 }
 
 ONLINE_PRESETS = tuple(name for name, p in PRESETS.items() if p["objective"] not in ("dpo", "sft"))
+
+
+def dynamic_sampling(preset: str, overrides: dict[str, Any]) -> bool:
+    """Whether the trainer's algorithm wants dynamic sampling (the builder then refills); offline ones never do."""
+    settings = {**PRESETS.get(preset, {}), **overrides}
+    return settings.get("objective") not in ("dpo", "sft") and bool(settings.get("dynamic_sampling", False))

@@ -1,0 +1,180 @@
+"""Sequence packing for the trainer's forwards: rows (prompt + completion, no padding) placed first-fit-decreasing
+into bins of at most ``max_tokens`` tokens, each bin one row of the forward. With ``share_prompts``, rows that
+start with the same prompt (a GRPO group) go in as that prompt once followed by each row's completion: a prompt
+token's hidden state depends only on the prompt, so computing it once per group changes no result.
+
+Attention follows a 4-D mask built here: a token sees the earlier tokens of its own row only (its prompt, shared
+or not, and its own completion), and positions restart for each row. Transformers passes a 4-D mask through
+unchanged (masking_utils._preprocess_mask_arguments), as a boolean for sdpa and an additive float for eager.
+Results go back onto the padded [B, L-1] grid (see ``Packing.locate``). Torch only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+
+@dataclasses.dataclass(frozen=True)
+class PackingConfig:
+    enabled: bool = False
+    max_tokens: int = 256  # tokens per bin; attention is dense within a bin, so larger bins cost O(max_tokens^2)
+    share_prompts: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
+
+
+_ACTIVE: contextvars.ContextVar[PackingConfig | None] = contextvars.ContextVar("packing", default=None)
+
+
+@contextlib.contextmanager
+def packed_forwards(config: PackingConfig) -> Iterator[None]:
+    """The trainer's forwards (services.trainer.forward) pack while inside, when ``config.enabled``."""
+    token = _ACTIVE.set(config if config.enabled else None)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active() -> PackingConfig | None:
+    return _ACTIVE.get()
+
+
+def first_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
+    """Row indices per bin, longest rows first; no bin holds more than max(budget, longest row) tokens (a row
+    longer than the budget gets a bin of its own)."""
+    if budget < 1:
+        raise ValueError(f"budget: must be >= 1, got {budget}")
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for row in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        n = lengths[row]
+        slot = next((b for b, free in enumerate(room) if free >= n), None)
+        if slot is None:
+            bins.append([row])
+            room.append(budget - n)
+        else:
+            bins[slot].append(row)
+            room[slot] -= n
+    return bins
+
+
+@dataclasses.dataclass
+class Packing:
+    """Where each row's tokens sit in the packed [bins, width] forward."""
+    input_ids: torch.Tensor       # long[bins, width], pad tokens after each bin's last row
+    position_ids: torch.Tensor    # long[bins, width], each row's own positions (0 on pads)
+    attention: torch.Tensor       # bool[bins, 1, width, width], True where query (dim 2) may see key (dim 3)
+    bin_of: torch.Tensor          # long[B]
+    prompt_start: torch.Tensor    # long[B], column of the row's prompt in its bin (shared by a group)
+    prompt_length: torch.Tensor   # long[B], tokens of the row taken from that prompt
+    completion_start: torch.Tensor  # long[B], column of the rest of the row
+    lengths: torch.Tensor         # long[B], real tokens of the row
+    forward_tokens: int           # non-pad tokens in the bins: the rows' real tokens less the prompts shared
+
+    def real_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def locate(self, rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(bin, column) in the packed forward of the grid cells (rows, cols)."""
+        prompt = self.prompt_length[rows]
+        column = torch.where(cols < prompt, self.prompt_start[rows] + cols, self.completion_start[rows] + cols - prompt)
+        return self.bin_of[rows], column
+
+
+def _units(input_ids: torch.Tensor, lengths: list[int], prompts: list[int], budget: int,
+           share: bool) -> list[tuple[int, list[int]]]:
+    """(prompt length, rows) per packing unit: the rows of a unit share their first ``prompt length`` tokens.
+    A group too long for one bin is split, each part with its own copy of the prompt."""
+    if not share:
+        return [(n, [i]) for i, n in enumerate(lengths)]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(tuple(input_ids[i, :p].tolist()), []).append(i)
+    units = []
+    for prompt, rows in groups.items():
+        part, size = [], len(prompt)
+        for i in rows:
+            rest = lengths[i] - len(prompt)
+            if part and size + rest > budget:
+                units.append((len(prompt), part))
+                part, size = [], len(prompt)
+            part.append(i)
+            size += rest
+        units.append((len(prompt), part))
+    return units
+
+
+def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_lengths: torch.Tensor,
+              config: PackingConfig, pad_token_id: int = 0) -> Packing:
+    """Right-padded rows ([B, L], as batching.pack builds them) -> bins of at most ``config.max_tokens`` tokens
+    (a longer unit gets a bin of its own). Laid out on the host, then moved to the rows' device."""
+    device, input_ids, attention_mask = input_ids.device, input_ids.cpu(), attention_mask.cpu()
+    lengths = attention_mask.sum(-1)
+    steps = torch.arange(attention_mask.shape[1] + 1)
+    assert bool((attention_mask.cumsum(-1) == steps[1:].clamp(max=lengths.unsqueeze(-1))).all()), "rows must be right-padded"
+    prompts = (lengths - completion_lengths.cpu()).clamp(min=1).tolist()
+    units = _units(input_ids, lengths.tolist(), prompts, config.max_tokens, config.share_prompts)
+    sizes = [p + sum(int(lengths[i]) - p for i in rows) for p, rows in units]
+    bins = first_fit_decreasing(sizes, config.max_tokens)
+    width = max(sum(sizes[u] for u in b) for b in bins)
+    ids = torch.full((len(bins), width), pad_token_id, dtype=input_ids.dtype)
+    positions = torch.zeros((len(bins), width), dtype=torch.long)
+    sequence = torch.full((len(bins), width), -1, dtype=torch.long)  # a row-part's id; the prompt's is the unit's
+    unit_of = torch.full((len(bins), width), -1, dtype=torch.long)
+    rows_meta = {name: torch.zeros_like(lengths) for name in ("bin", "pstart", "plen", "cstart")}
+    part = 0
+    for b, members in enumerate(bins):
+        at = 0
+        for u in members:
+            p, rows = units[u]
+            first = rows[0]
+            ids[b, at:at + p], positions[b, at:at + p] = input_ids[first, :p], steps[:p]
+            unit_of[b, at:at + p], sequence[b, at:at + p] = u, -1
+            pstart, at = at, at + p
+            for i in rows:
+                n = int(lengths[i]) - p
+                ids[b, at:at + n], positions[b, at:at + n] = input_ids[i, p:p + n], steps[p:p + n]
+                unit_of[b, at:at + n], sequence[b, at:at + n] = u, part
+                for name, value in zip(rows_meta, (b, pstart, p, at), strict=True):
+                    rows_meta[name][i] = value
+                at, part = at + n, part + 1
+    pad = unit_of < 0
+    unit_of[pad] = -1 - torch.arange(int(pad.sum()))  # each pad token its own unit: it sees itself only
+    same_unit = unit_of.unsqueeze(-1) == unit_of.unsqueeze(-2)
+    own_row = (sequence.unsqueeze(-2) < 0) | (sequence.unsqueeze(-1) == sequence.unsqueeze(-2))  # key is a prompt or the query's own
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    attention = (same_unit & own_row & causal).unsqueeze(1)
+    out = [t.to(device) for t in (ids, positions, attention, *rows_meta.values(), lengths)]
+    return Packing(*out, forward_tokens=int((~pad).sum()))
+
+
+def attention_mask_for(model: torch.nn.Module, packing: Packing) -> torch.Tensor:
+    """The 4-D mask as the model's attention implementation takes it."""
+    kind = model.config._attn_implementation
+    if kind == "sdpa":
+        return packing.attention
+    if kind == "eager":
+        return torch.zeros(packing.attention.shape, device=packing.attention.device).masked_fill(
+            ~packing.attention, torch.finfo(torch.float32).min)
+    raise ValueError(f"packing: attention implementation {kind!r} is not supported; use sdpa or eager")
+
+
+def packed_logits(model: torch.nn.Module, packing: Packing, where: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Logits float[N, V] at the packed cells ``where`` = (bins, columns). The output projection runs on those
+    cells only, unless the model is FSDP-sharded: then the root forward must run (it gathers the root's
+    parameters) and projects every cell."""
+    kwargs = {"input_ids": packing.input_ids, "position_ids": packing.position_ids,
+              "attention_mask": attention_mask_for(model, packing), "use_cache": False}
+    if isinstance(model, FSDPModule):
+        return model(**kwargs).logits[where]
+    hidden = model.get_decoder()(**kwargs).last_hidden_state
+    return model.get_output_embeddings()(hidden[where])

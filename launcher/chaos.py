@@ -117,7 +117,7 @@ def chaos(config: str = "configs/chaos.yaml", *, seed: int = 0, kills: int | Non
             killer.halt.set()
             killer.join(timeout=30)
         result = asyncio.run(audit_run(stack.nats.url, stack.run_dir, completed=bool(summary.get("completed")),
-                                       total_steps=total, eta=eta))
+                                       total_steps=total, eta=eta, nats_options=stack.bus_options))
         holder["audit"] = result
         holder["restarts"] = dict(stack.restarts)
 

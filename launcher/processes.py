@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import pathlib
 import signal
 import socket
@@ -30,12 +32,22 @@ class NatsServer:
     nodes' cluster URLs) go on its command line. `spawn()` starts the process without waiting (what a
     supervisor restarts), `start()` also waits until it accepts connections. Output goes to `log_path`
     (appended) when given.
+
+    With `authorization` (a nats-server authorization block: users and their permissions) the server runs from
+    a config file written at `config_path` (mode 0600: it holds passwords) on every spawn, and `route_auth`
+    (user, password) protects the cluster routes; without it, from command-line flags, open to anyone.
     """
 
     def __init__(self, store: pathlib.Path, port: int | None = None, *, log_path: pathlib.Path | None = None,
                  server_name: str = "", cluster_name: str = "", cluster_port: int | None = None,
-                 routes: Sequence[str] = ()) -> None:
+                 routes: Sequence[str] = (), authorization: dict | None = None,
+                 config_path: pathlib.Path | None = None, route_auth: tuple[str, str] | None = None) -> None:
+        if authorization is not None and config_path is None:
+            raise ValueError("config_path: required with authorization")
         self.store = store
+        self.authorization = authorization
+        self.config_path = config_path
+        self.route_auth = route_auth
         self.port = port or free_port()
         self.log_path = log_path
         self.server_name = server_name
@@ -50,6 +62,8 @@ class NatsServer:
         return f"nats://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
+        if self.authorization is not None:
+            return [nats_server_binary(), "-c", str(self.config_path)]
         cmd = [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(self.store)]
         if self.server_name:
             cmd += ["--server_name", self.server_name]
@@ -60,9 +74,37 @@ class NatsServer:
                 cmd += ["--routes", ",".join(self.routes)]
         return cmd
 
+    def config(self) -> dict:
+        """The server's configuration file (JSON is valid nats-server syntax) when it runs with authorization."""
+        conf: dict = {"listen": f"127.0.0.1:{self.port}", "jetstream": {"store_dir": str(self.store)},
+                      "authorization": self.authorization}
+        if self.server_name:
+            conf["server_name"] = self.server_name
+        if self.cluster_port is not None:
+            cluster: dict = {"name": self.cluster_name or "meshrl", "listen": f"127.0.0.1:{self.cluster_port}",
+                             "routes": list(self.routes)}
+            if self.route_auth is not None:
+                user, password = self.route_auth
+                cluster["authorization"] = {"user": user, "password": password}
+                cluster["routes"] = [r.replace("nats://", f"nats-route://{user}:{password}@", 1) for r in self.routes]
+            conf["cluster"] = cluster
+        return conf
+
+    def write_config(self) -> None:
+        assert self.config_path is not None
+        self.config_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.config_path.with_name(f".{self.config_path.name}.{os.getpid()}.tmp")
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.config(), f, indent=1)
+        os.replace(tmp, self.config_path)
+
     def spawn(self) -> subprocess.Popen:
         """Start the process (same port, store and log every time) and return it, without waiting."""
         self.store.mkdir(parents=True, exist_ok=True)
+        if self.authorization is not None:
+            self.write_config()
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.log_path, "ab") as log:
@@ -114,11 +156,15 @@ class NatsCluster:
 
     `url` is the comma-separated list of the client URLs (what services take as `nats_url`). `start()` returns
     once the JetStream meta leader is elected; `kill(i)` and `start_node(i)` stop and bring back one node.
+    `authorization`, `config_dir` (node i's file: `nats-n<i>.conf`), `route_auth` and `connect_options` (for the
+    readiness probe): as for NatsServer.
     """
 
     def __init__(self, store: pathlib.Path, ports: Sequence[int] | None = None,
                  cluster_ports: Sequence[int] | None = None, *, size: int = 3, name: str = "meshrl",
-                 log_dir: pathlib.Path | None = None) -> None:
+                 log_dir: pathlib.Path | None = None, authorization: dict | None = None,
+                 config_dir: pathlib.Path | None = None, route_auth: tuple[str, str] | None = None,
+                 connect_options: dict | None = None) -> None:
         ports = list(ports) if ports else [free_port() for _ in range(size)]
         cluster_ports = list(cluster_ports) if cluster_ports else [free_port() for _ in range(size)]
         if len(ports) != size:
@@ -129,11 +175,14 @@ class NatsCluster:
             raise ValueError(f"ports, cluster_ports: must be {2 * size} distinct ports, got {ports} and {cluster_ports}")
         self.store = store
         self.name = name
+        self.connect_options = dict(connect_options or {})
         routes = [f"nats://127.0.0.1:{p}" for p in cluster_ports]
         self.nodes = [
             NatsServer(store / f"n{i}", ports[i], server_name=f"n{i}", cluster_name=name, cluster_port=cluster_ports[i],
                        routes=[r for j, r in enumerate(routes) if j != i],
-                       log_path=log_dir / f"nats-n{i}.log" if log_dir is not None else None)
+                       log_path=log_dir / f"nats-n{i}.log" if log_dir is not None else None,
+                       authorization=authorization, route_auth=route_auth,
+                       config_path=config_dir / f"nats-n{i}.conf" if config_dir is not None else None)
             for i in range(size)
         ]
 
@@ -176,7 +225,7 @@ class NatsCluster:
         self.wait_jetstream(timeout, urls=[self.nodes[i].url])
 
     def wait_jetstream(self, timeout: float = 30.0, *, urls: Sequence[str] | None = None) -> None:
-        run_sync(jetstream_ready(list(urls or self.urls), timeout))
+        run_sync(jetstream_ready(list(urls or self.urls), timeout, **self.connect_options))
 
     def stop(self, timeout: float = 10.0) -> None:
         for node in self.nodes:
@@ -186,8 +235,9 @@ class NatsCluster:
             node.stop(timeout)
 
 
-async def jetstream_ready(urls: Sequence[str], timeout: float) -> None:
-    """Until `account_info()` succeeds through one of `urls` (so a JetStream meta leader exists), or TimeoutError."""
+async def jetstream_ready(urls: Sequence[str], timeout: float, **connect_options) -> None:
+    """Until `account_info()` succeeds through one of `urls` (so a JetStream meta leader exists), or TimeoutError.
+    `connect_options`: credentials for `nats.connect`."""
     import nats
 
     async def quiet(*_args) -> None:
@@ -199,7 +249,7 @@ async def jetstream_ready(urls: Sequence[str], timeout: float) -> None:
         for url in urls:
             try:
                 nc = await nats.connect(servers=[url], connect_timeout=1, allow_reconnect=False,
-                                        max_reconnect_attempts=0, error_cb=quiet)
+                                        max_reconnect_attempts=0, error_cb=quiet, **connect_options)
             except Exception as exc:  # not listening yet
                 last = exc
                 continue
@@ -234,3 +284,43 @@ def run_sync(coro) -> None:
     thread.join()
     if errors:
         raise errors[0]
+
+
+class TrainerRanks:
+    """A trainer of `ranks` processes started together (torchrun-style environment, a fresh MASTER_PORT each
+    time): `spawn` stops what is left of the previous group, starts ranks 1.. and returns rank 0, the process the
+    supervisor watches. A rank that dies fails rank 0 (its next collective or heartbeat), which the supervisor
+    restarts, and with it the whole group."""
+
+    def __init__(self, command: list[str], ranks: int, log_dir: pathlib.Path, *, cwd: pathlib.Path,
+                 env: dict[str, str], detach: bool = False) -> None:
+        self.command, self.ranks, self.log_dir, self.cwd, self.env, self.detach = command, ranks, log_dir, cwd, env, detach
+        self.followers: list[subprocess.Popen] = []
+
+    def spawn(self) -> subprocess.Popen:
+        self.stop(grace=5.0)
+        group = {"WORLD_SIZE": str(self.ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        self.followers = [self._start(rank, group) for rank in range(1, self.ranks)]
+        return self._start(0, group)
+
+    def _start(self, rank: int, group: dict[str, str]) -> subprocess.Popen:
+        name = "trainer.log" if rank == 0 else f"trainer-rank{rank}.log"
+        env = {**self.env, **group, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        with open(self.log_dir / name, "ab") as log:
+            return subprocess.Popen(self.command, cwd=self.cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=self.detach)
+
+    def stop(self, grace: float = 30.0) -> None:
+        """Ranks 1.. (rank 0 is the supervisor's): they exit on rank 0's stop command, else are terminated."""
+        deadline = time.monotonic() + grace
+        for proc in self.followers:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=5.0)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        self.followers = []

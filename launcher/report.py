@@ -1,4 +1,4 @@
-"""Run artifacts: metrics.jsonl (every event), the reward / accuracy plot, summary.json."""
+"""Run artifacts: metrics.jsonl (every event), TensorBoard scalars, the reward / accuracy plot, summary.json."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import pathlib
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from launcher.phases import phase_report
+from launcher.telemetry import Telemetry
 from services.common.contracts import builder_pb2_grpc, common_pb2, data_pb2, rollout_pb2_grpc, trainer_pb2_grpc
 
 KIND = {data_pb2.VERSION_KIND_TRAINED: "trained", data_pb2.VERSION_KIND_DEPLOYED: "deployed",
@@ -16,11 +18,13 @@ KIND = {data_pb2.VERSION_KIND_TRAINED: "trained", data_pb2.VERSION_KIND_DEPLOYED
 
 
 class EventLog:
-    """Every version event of a run, appended to metrics.jsonl as it arrives."""
+    """Every version event of a run, appended to metrics.jsonl as it arrives; its metrics also go to
+    TensorBoard (`tensorboard/` beside metrics.jsonl) and, when configured, Weights & Biases."""
 
-    def __init__(self, path: pathlib.Path) -> None:
+    def __init__(self, path: pathlib.Path, *, telemetry: Telemetry | None = None) -> None:
         self.path = path
         self.records: list[dict] = []
+        self.telemetry = telemetry or Telemetry(path.parent / "tensorboard")
 
     def add(self, event: data_pb2.VersionEvent) -> None:
         record = {"kind": KIND.get(event.kind, "unknown"), "version": event.version, "at": event.at,
@@ -30,6 +34,10 @@ class EventLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        self.telemetry.add(record)
+
+    def close(self) -> None:
+        self.telemetry.close()
 
     def of(self, kind: str) -> list[dict]:
         return [r for r in self.records if r["kind"] == kind]
@@ -61,10 +69,12 @@ def _statuses(stack) -> dict:
     out = {}
     stubs = {"builder": builder_pb2_grpc.BuilderServiceStub, "trainer": trainer_pb2_grpc.TrainerServiceStub,
              "rollout": rollout_pb2_grpc.RolloutServiceStub}
+    token = getattr(stack, "operator_token", "")  # a launched stack's operator token
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
     for service, stub in stubs.items():
         with grpc.insecure_channel(stack.address(service)) as channel:
             try:
-                reply = stub(channel).Status(common_pb2.StatusRequest(), timeout=5)
+                reply = stub(channel).Status(common_pb2.StatusRequest(), timeout=5, metadata=metadata)
                 out[service] = MessageToDict(reply, preserving_proto_field_name=True,
                                              always_print_fields_with_no_presence=True)
             except grpc.RpcError as exc:
@@ -112,6 +122,8 @@ def write_report(stack, events: EventLog, run_dir: pathlib.Path, *, plan: dict, 
         "trajectories_generated": int(rollout.get("trajectories_published", 0)),
         "trajectories_trained": int(trainer.get("trajectories_trained", 0)),
         "trajectories_dropped_stale": int(builder.get("trajectories_dropped_stale", 0)),
+        "groups_filtered": int(builder.get("groups_filtered", 0)),  # dynamic sampling: no reward variance
+        "extra_prompts_issued": int(builder.get("extra_prompts_issued", 0)),  # ... and the prompts in their place
         "max_staleness_trained": int(trainer.get("max_staleness_trained", 0)),
         "max_versions_in_one_trajectory": int(max((r.get("max_versions_in_one_trajectory", 0) for r in trained),
                                                   default=0)),
@@ -132,4 +144,6 @@ def write_report(stack, events: EventLog, run_dir: pathlib.Path, *, plan: dict, 
                                          for r in trained]
     if trained or evals:
         plot(events, run_dir / "reward_accuracy.png", title=f"meshrl: asynchronous {algo}, eta={summary['eta']}")
+    summary["phases"] = phase_report(events, run_dir, title=f"meshrl: where the time goes ({algo}, eta={summary['eta']})")
+    events.close()
     return summary

@@ -21,7 +21,9 @@ import grpc
 
 from launcher.report import EventLog, write_report
 from launcher.watch import watch_run
+from services.common.auth import OPERATOR
 from services.common.contracts import common_pb2, reward_pb2_grpc, rollout_pb2_grpc
+from services.common.credentials import RunCredentials
 
 DEFAULT_ADDRESSES = {"rollout": "rollout:50051", "reward": "reward:50052", "builder": "builder:50053",
                      "trainer": "trainer:50054"}
@@ -36,6 +38,8 @@ class Remote:
 
     nats_url: str
     addresses: dict[str, str]
+    operator_token: str = ""
+    nats_connect_options: dict = dataclasses.field(default_factory=dict)
 
     @property
     def nats(self) -> SimpleNamespace:
@@ -72,13 +76,15 @@ def replica_work(service: str, address: str, token: str = "") -> list[dict]:
 
 def report(nats_url: str, out: pathlib.Path, *, total_steps: int, eta: int = 1, algo: str = "grpo", seed: int = 0,
            timeout: float = 86400.0, addresses: dict[str, str] | None = None, token: str = "",
-           progress: bool = True) -> dict:
-    """Follow the run to its end (or `timeout`), write the report into `out`, return the summary."""
+           nats_options: dict | None = None, progress: bool = True) -> dict:
+    """Follow the run to its end (or `timeout`), write the report into `out`, return the summary.
+
+    `token` is the operator's gRPC bearer token, `nats_options` its `nats.connect` credentials."""
     addresses = {**DEFAULT_ADDRESSES, **(addresses or {})}
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.jsonl").unlink(missing_ok=True)  # replayed from the stream's start
     events = EventLog(out / "metrics.jsonl")
-    remote = Remote(nats_url, addresses)
+    remote = Remote(nats_url, addresses, token, nats_options or {})
     started = time.time()
     completed = asyncio.run(watch_run(remote, events, total_steps=total_steps, timeout=timeout, progress=progress))
     times = [r["at"] for r in events.records if r.get("at")]
@@ -107,11 +113,18 @@ def add_arguments(parser) -> None:
         parser.add_argument(f"--{service}", default=address, help=f"{service}'s gRPC address (default {address})")
     parser.add_argument("--token", default=os.environ.get("MESHRL_AUTH_TOKEN", ""),
                         help="gRPC bearer token (default: $MESHRL_AUTH_TOKEN)")
+    parser.add_argument("--secrets", type=pathlib.Path, default=os.environ.get("MESHRL_SECRETS") or None,
+                        help="a run's credentials directory (python -m services.common.credentials): the operator's "
+                        "gRPC token and NATS user come from it (default: $MESHRL_SECRETS)")
 
 
 def main(args) -> int:
+    token, nats_options = args.token, {}
+    if args.secrets:
+        creds = RunCredentials(args.secrets)
+        token, nats_options = creds.token(OPERATOR), creds.nats_connect_options(OPERATOR)
     summary = report(args.nats, args.out, total_steps=args.total_steps, eta=args.eta, algo=args.algo, seed=args.seed,
-                     timeout=args.timeout, token=args.token,
+                     timeout=args.timeout, token=token, nats_options=nats_options,
                      addresses={s: getattr(args, s) for s in DEFAULT_ADDRESSES})
     print(json.dumps({k: summary.get(k) for k in ("completed", "steps", "eval_accuracy_before", "eval_accuracy_after",
                                                   "trajectories_generated", "trajectories_trained", "replicas")}))

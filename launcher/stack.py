@@ -19,11 +19,14 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from launcher import preflight
 from launcher.agents import AgentDriver
-from launcher.processes import NatsCluster, NatsServer, free_port
+from launcher.processes import NatsCluster, NatsServer, TrainerRanks, free_port
 from launcher.report import EventLog, write_report
 from launcher.supervisor import Backoff, Supervisor, pid_alive
 from launcher.watch import watch_run
+from services.common.auth import OPERATOR
+from services.common.credentials import RunCredentials
 from services.rollout.gateway.config import ADMIN_KEY_FILE
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -67,15 +70,55 @@ def ensure_model(name: str, seed: int) -> pathlib.Path:
     return path
 
 
+def resolve_model(model: str, seed: int) -> pathlib.Path:
+    """A run config's `model`: a built-in name (built once per seed) or a Hugging Face model directory (absolute,
+    or relative to the working directory, else to the repository), checked for its config, weights and tokenizer."""
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"model: a built-in name ({', '.join(MODELS)}) or a model directory, got {model!r}")
+    if model in MODELS:
+        return ensure_model(model, seed)
+    path = pathlib.Path(model).expanduser()
+    if not path.is_absolute():
+        path = path if path.exists() else ROOT / path
+    path = path.resolve()
+    if not path.is_dir():
+        raise ValueError(f"model: {model!r} is neither a built-in name ({', '.join(MODELS)}) nor a directory")
+    missing = [what for what, names in MODEL_FILES.items() if not any((path / n).exists() for n in names)]
+    if missing:
+        raise ValueError(f"model: {path} is not a Hugging Face model directory: no {' and no '.join(missing)}")
+    return path
+
+
+# what a model directory must hold, each as one of these files
+MODEL_FILES = {"config (config.json)": ("config.json",),
+               "safetensors weights (model.safetensors, model.safetensors.index.json)":
+                   ("model.safetensors", "model.safetensors.index.json"),
+               "tokenizer (tokenizer.json, tokenizer_config.json)": ("tokenizer.json", "tokenizer_config.json")}
+DTYPES = ("float32", "bfloat16")
+
+
+def run_dtype(plan: dict) -> str:
+    """The run config's `dtype` (the rollout engine's weights and the trainer's compute; default float32)."""
+    dtype = plan.get("dtype", "float32")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return dtype
+
+
 class Stack:
     """nats-server (one, or a three-node cluster) and the five services as supervised processes.
 
     A process that dies is started again (same command line, config file, ports and log file) after a back-off
     (`launcher.supervisor.Backoff`), until `stop()`; `kill()` is the hook for chaos tests.
+
+    Secure by default: the run's credentials are generated once under `<run_dir>/secrets` (services.common.credentials)
+    and every process, restarted or not, gets the same: its gRPC token and the peers' digests, its NATS user (the
+    nats-server config with every user's permissions is written there too). `secure=False`: no credentials at all.
+    The launcher's own clients (watch, report, audit) authenticate as the operator.
     """
 
     def __init__(self, run_dir: pathlib.Path, ports: dict[str, int], *, nats_mode: str = "single",
-                 rng: random.Random | None = None, policy: Backoff | None = None) -> None:
+                 rng: random.Random | None = None, policy: Backoff | None = None, secure: bool = True) -> None:
         if nats_mode not in NATS_MODES:
             raise ValueError(f"nats_mode: must be one of {', '.join(NATS_MODES)}, got {nats_mode!r}")
         self.run_dir = run_dir
@@ -83,15 +126,41 @@ class Stack:
         self.nats_mode = nats_mode
         self.rng = rng or random.Random()
         logs = run_dir / "logs"
+        self.credentials = RunCredentials.ensure(run_dir / "secrets") if secure else None
+        auth: dict = {}
+        if self.credentials is not None:
+            auth = {"authorization": self.credentials.nats_authorization()}
         self.nats: NatsServer | NatsCluster
         if nats_mode == "single":
-            self.nats = NatsServer(run_dir / "nats", port=ports["nats"], log_path=logs / "nats.log")
+            self.nats = NatsServer(run_dir / "nats", port=ports["nats"], log_path=logs / "nats.log", **auth,
+                                   config_path=run_dir / "secrets" / "nats.conf" if auth else None)
         else:
             client, cluster = nats_cluster_ports(ports)
-            self.nats = NatsCluster(run_dir / "nats", client, cluster, log_dir=logs)
+            if self.credentials is not None:
+                auth.update(config_dir=run_dir / "secrets", route_auth=self.credentials.route_credentials(),
+                            connect_options=self.nats_connect_options)
+            self.nats = NatsCluster(run_dir / "nats", client, cluster, log_dir=logs, **auth)
         self.supervisor = Supervisor(policy, log_path=logs / "supervisor.log")
         self.config_files: dict[str, pathlib.Path] = {}
+        self.trainer_ranks: TrainerRanks | None = None  # ranks 1.. of a trainer with `ranks` > 1
         self._nats_node = 0  # the cluster node the latest kill("nats") hit
+
+    # credentials of the launcher's own clients (the operator)
+
+    @property
+    def nats_connect_options(self) -> dict:
+        """Keyword arguments for `nats.connect` as the operator ({} without credentials)."""
+        return self.credentials.nats_connect_options(OPERATOR) if self.credentials is not None else {}
+
+    @property
+    def bus_options(self) -> dict:
+        """Keyword arguments for `services.common.bus.Bus.connect` as the operator."""
+        return self.credentials.bus_options(OPERATOR) if self.credentials is not None else {}
+
+    @property
+    def operator_token(self) -> str:
+        """The operator's gRPC bearer token ("" without credentials)."""
+        return self.credentials.token(OPERATOR) if self.credentials is not None else ""
 
     # what runs
 
@@ -166,40 +235,73 @@ class Stack:
 
     def start(self, plan: dict, *, seed: int, model_path: pathlib.Path, algo: str = "", detach: bool = False) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.start_nats(detach=detach)
         for service in SERVICES:
-            cfg = dict(plan.get("services", {}).get(service) or {})
-            cfg.update(nats_url=self.nats.url, grpc_address=self.address(service), run_dir=str(self.run_dir),
-                       metrics_port=self.ports[service] + 1000 if detach else 0)
-            if self.nats_mode == "cluster":
-                cfg["nats_replicas"] = 3
-            if service in ("rollout", "trainer"):
-                cfg["wx_address"] = self.address("weight_exchange")
-            if service in ("builder", "reward", "trainer"):
-                cfg["model_path"] = str(model_path)
-            if service == "rollout":
-                cfg.setdefault("gateway", {})["port"] = self.ports["gateway"]
-                cfg.setdefault("engine", {})["model_path"] = str(model_path)
-                cfg["engine"]["seed"] = seed
-            if service in ("builder", "trainer"):
-                cfg["seed"] = seed
-            if service == "trainer" and algo and algo != cfg.get("algo"):
-                cfg["algo"] = algo
-                cfg.pop("algo_overrides", None)  # they were chosen for the profile's preset
-            if service == "trainer":
-                sampling = plan["services"]["builder"].get("sampling", {})
-                cfg.setdefault("max_new_tokens", sampling.get("max_new_tokens", 8))
-            if service == "trainer":
-                cfg.setdefault("total_steps", plan["services"]["builder"].get("total_steps", 0))
+            cfg = self.service_config(service, plan, seed=seed, model_path=model_path, algo=algo, detach=detach)
             config_file = self.run_dir / "config" / f"{service}.yaml"
             config_file.parent.mkdir(exist_ok=True)
             config_file.write_text(yaml.safe_dump(cfg))
             self.config_files[service] = config_file
-            self.supervisor.add(service, self._spawner(service, config_file, detach=detach))
+        preflight.check_all(self.config_files)  # a config error stops here, before any process starts
+        self.start_nats(detach=detach)
+        for service in SERVICES:
+            self.supervisor.add(service, self._spawner(service, self.config_files[service], detach=detach))
+
+    def service_config(self, service: str, plan: dict, *, seed: int, model_path: pathlib.Path, algo: str = "",
+                       detach: bool = False) -> dict:
+        """One service's config: the run config's section with the stack's addresses, credentials, the model
+        directory (rollout engine, trainer, builder's and reward's tokenizers), the run's dtype and seed."""
+        from services.trainer.algorithms.presets import dynamic_sampling  # imports torch: only when starting
+
+        trainer = plan.get("services", {}).get("trainer") or {}
+        preset = algo or trainer.get("algo", "grpo")
+        overrides = (trainer.get("algo_overrides") or {}) if preset == trainer.get("algo", "grpo") else {}
+        cfg = dict(plan.get("services", {}).get(service) or {})
+        cfg.update(nats_url=self.nats.url, grpc_address=self.address(service), run_dir=str(self.run_dir),
+                   metrics_port=self.ports[service] + 1000 if detach else 0)
+        if self.credentials is not None:
+            cfg.update(self.credentials.service_config(service))
+        if self.nats_mode == "cluster":
+            cfg["nats_replicas"] = 3
+        if service in ("rollout", "trainer"):
+            cfg["wx_address"] = self.address("weight_exchange")
+        if service in ("builder", "reward", "trainer"):
+            cfg["model_path"] = str(model_path)
+        if service == "rollout":
+            cfg.setdefault("gateway", {})["port"] = self.ports["gateway"]
+            cfg.setdefault("engine", {})["model_path"] = str(model_path)
+            cfg["engine"]["seed"] = seed
+            cfg["engine"].setdefault("dtype", run_dtype(plan))
+        if service == "trainer":
+            cfg.setdefault("dtype", run_dtype(plan))
+        if service in ("rollout", "trainer") and "device" in plan:  # the run config's top-level device
+            from services.common.device import check_device
+
+            (cfg["engine"] if service == "rollout" else cfg).setdefault("device", check_device(plan["device"]))
+        if service in ("builder", "trainer"):
+            cfg["seed"] = seed
+        if service == "builder" and plan.get("dataset"):  # the run config's top-level dataset section
+            cfg.setdefault("dataset", plan["dataset"])
+        if service == "builder":  # the builder filters and refills for the trainer's dynamic sampling
+            cfg.setdefault("dynamic_sampling", dynamic_sampling(preset, overrides))
+        if service == "trainer" and algo and algo != cfg.get("algo"):
+            cfg["algo"] = algo
+            cfg.pop("algo_overrides", None)  # they were chosen for the profile's preset
+        if service == "trainer":
+            sampling = plan["services"]["builder"].get("sampling", {})
+            cfg.setdefault("max_new_tokens", sampling.get("max_new_tokens", 8))
+        if service == "trainer":
+            cfg.setdefault("total_steps", plan["services"]["builder"].get("total_steps", 0))
+        return cfg
 
     def _spawner(self, service: str, config_file: pathlib.Path, *, detach: bool):
         """Starts the service; every restart gets the same config file, ports and (appended) log file."""
         log_path = self.run_dir / "logs" / f"{service}.log"
+        ranks = int((yaml.safe_load(config_file.read_text()) or {}).get("ranks", 1)) if service == "trainer" else 1
+        if ranks > 1:  # a trainer group: ranks 1.. start and stop with rank 0
+            self.trainer_ranks = TrainerRanks([sys.executable, "-m", "services.trainer", "--config", str(config_file)],
+                                              ranks, log_path.parent, cwd=ROOT,
+                                              env={**os.environ, "PYTHONUNBUFFERED": "1"}, detach=detach)
+            return self.trainer_ranks.spawn
 
         def spawn() -> subprocess.Popen:
             with open(log_path, "ab") as log:
@@ -240,6 +342,8 @@ class Stack:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 codes[service] = proc.wait()
+        if self.trainer_ranks is not None:
+            self.trainer_ranks.stop(grace)
         self.nats.stop()
         return codes
 
@@ -254,8 +358,23 @@ def health_check(address: str, service: str = "") -> bool:
 
 
 def load_plan(config: str) -> dict:
-    plan = yaml.safe_load((ROOT / config).read_text() if not os.path.isabs(config) else pathlib.Path(config).read_text())
+    """A run config (relative paths: from the working directory, else the repository). Dataset files named
+    relative to the working directory are made absolute (the services run in the repository)."""
+    path = pathlib.Path(config).expanduser()
+    if not path.is_absolute() and not path.exists():
+        path = ROOT / path
+    if not path.is_file():
+        raise ValueError(f"config: no such file {config!r}")
+    plan = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(plan, dict):
+        raise ValueError(f"config: {config} is not a mapping of settings")
     plan.setdefault("services", {}).setdefault("builder", {})
+    dataset = plan.get("dataset")
+    if isinstance(dataset, dict):
+        for key in ("train", "eval"):
+            value = dataset.get(key)
+            if isinstance(value, str) and value and not os.path.isabs(value) and os.path.exists(value):
+                dataset[key] = os.path.abspath(value)
     return plan
 
 
@@ -269,7 +388,8 @@ def run(config: str, *, name: str, seed: int = 0, algo: str = "", ports: dict[st
     report, while the stack still runs.
     """
     plan = load_plan(config)
-    model_path = ensure_model(plan.get("model", "tiny-qwen3"), seed)
+    model_path = resolve_model(plan.get("model", "tiny-qwen3"), seed)
+    run_dtype(plan)
     run_dir = (runs_root or ROOT / "runs") / name
     if run_dir.exists():
         import shutil
@@ -282,7 +402,7 @@ def run(config: str, *, name: str, seed: int = 0, algo: str = "", ports: dict[st
     agents: AgentDriver | None = None
     try:
         stack.start(plan, seed=seed, model_path=model_path, algo=algo)
-        stack.wait_healthy()
+        stack.wait_healthy(float(plan.get("startup_timeout_seconds", 300)))  # a real model loads slowly
         if on_healthy is not None:
             on_healthy(stack, events)
         if plan.get("agents"):
@@ -327,7 +447,8 @@ def up(config: str, *, seed: int = 0, algo: str = "", nats_mode: str = "single",
     rollout = plan["services"].setdefault("rollout", {})
     rollout["gateway_enabled"] = True
     rollout.setdefault("engine", {})["max_context"] = 2048  # agent prompts with tools are long in characters
-    model_path = ensure_model(plan.get("model", "tiny-qwen3"), seed)
+    model_path = resolve_model(plan.get("model", "tiny-qwen3"), seed)
+    run_dtype(plan)
     run_dir = ROOT / "runs" / "up"
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     spec = {"plan": plan, "seed": seed, "algo": algo, "model_path": str(model_path), "nats_mode": nats_mode,
@@ -354,6 +475,11 @@ def up(config: str, *, seed: int = 0, algo: str = "", nats_mode: str = "single",
     nats_url = read_state(STATE_FILE).get("nats_url", f"nats://127.0.0.1:{DEFAULT_PORTS['nats']}")
     print("meshrl is up: " + ", ".join(f"{s} 127.0.0.1:{DEFAULT_PORTS[s]}" for s in SERVICES)
           + f"; {nats_url}; logs in runs/up/logs; supervised (pid {supervisor.pid}, runs/up/logs/supervisor.log)")
+    secrets_dir = (run_dir / "secrets").relative_to(ROOT)
+    print(f"credentials (mode 0600) in {secrets_dir}: gRPC as operator: grpcurl -plaintext -H \"authorization: Bearer "
+          f"$(cat {secrets_dir}/grpc-operator.token)\" 127.0.0.1:{DEFAULT_PORTS['trainer']} "
+          f"meshrl.v1.TrainerService/Status; NATS as operator: user operator, password in "
+          f"{secrets_dir}/nats-operator.password")
     admin_key = os.environ.get("MESHRL_ADMIN_KEY")
     print("agent gateway: http://127.0.0.1:8000/v1 (OpenAI), http://127.0.0.1:8000 (Anthropic); admin key: "
           + ("$MESHRL_ADMIN_KEY" if admin_key else f"generated at start into runs/up/{ADMIN_KEY_FILE} (mode 0600)"))

@@ -1,4 +1,4 @@
-"""Follow a run on the EVENTS stream: record every event, draw the progress bar, stop at the run's end.
+"""Follow a run on the EVENTS stream: record every event, show progress (tqdm), stop at the run's end.
 
 A service or NATS that dies meanwhile does not end the run: the stack's supervisor restarts it, the
 connection here reconnects (to any server of a cluster) and the ordered consumer resumes where it was.
@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from typing import TextIO
 
 import nats
 from nats.js.api import DeliverPolicy
+from tqdm import tqdm
 
 from launcher.report import EventLog
 from services.common.contracts import data_pb2
@@ -24,8 +26,9 @@ async def watch_run(stack, events: EventLog, *, total_steps: int, timeout: float
     async def quiet(*_args) -> None:  # disconnects while NATS restarts are expected; reconnects are automatic
         return None
 
+    credentials = getattr(stack, "nats_connect_options", None) or {}  # the operator's, on a launched stack
     nc = await nats.connect(servers=servers, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                            error_cb=quiet, disconnected_cb=quiet)
+                            error_cb=quiet, disconnected_cb=quiet, **credentials)
     done = asyncio.Event()
     started = time.time()
     bar = ProgressBar(total_steps, enabled=progress)
@@ -73,29 +76,31 @@ def _restarts(stack) -> int:
 
 
 class ProgressBar:
-    def __init__(self, total: int, *, enabled: bool) -> None:
+    """tqdm on a terminal; elsewhere (a log file, CI) one plain line each time the step changes."""
+
+    def __init__(self, total: int, *, enabled: bool, stream: TextIO | None = None) -> None:
         self.total = total
         self.enabled = enabled
-        self.tty = sys.stderr.isatty()
+        self.stream = stream or sys.stderr
         self._last_step = -1
+        self._bar = None
+        if enabled and self.stream.isatty():
+            self._bar = tqdm(total=total or None, file=self.stream, unit="step", dynamic_ncols=True)
 
     def update(self, events: EventLog, elapsed: float, *, restarts: int = 0) -> None:
         if not self.enabled:
             return
         step = events.version
-        if not self.tty and step == self._last_step:
-            return
-        self._last_step = step
-        width = 24
-        filled = int(width * step / self.total) if self.total else 0
-        line = (f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{self.total or '∞'} | policy v{events.deployed}"
-                f" | reward {events.last_reward:.3f} | eval acc {events.last_accuracy_text} | staleness max "
-                f"{events.max_staleness}{f' | restarts {restarts}' if restarts else ''} | {elapsed:5.0f}s")
-        if self.tty:
-            print("\r" + line, end="", file=sys.stderr, flush=True)
-        else:
-            print(line, file=sys.stderr, flush=True)
+        status = (f"policy v{events.deployed} | reward {events.last_reward:.3f} | eval acc {events.last_accuracy_text}"
+                  f" | staleness max {events.max_staleness}{f' | restarts {restarts}' if restarts else ''}")
+        if self._bar is not None:
+            self._bar.set_postfix_str(status, refresh=False)
+            self._bar.update(step - self._bar.n)  # events.version only grows
+            self._bar.refresh()
+        elif step != self._last_step:
+            self._last_step = step
+            print(f"step {step}/{self.total or '?'} | {status} | {elapsed:.0f}s", file=self.stream, flush=True)
 
     def close(self) -> None:
-        if self.enabled and self.tty:
-            print(file=sys.stderr)
+        if self._bar is not None:
+            self._bar.close()

@@ -41,7 +41,7 @@ async def test_killed_nats_is_restarted_on_its_port_with_its_jetstream_data(tmp_
     stack = Stack(tmp_path / "run", random_ports(), policy=FAST)
     stack.start_nats()
     try:
-        nc = await nats.connect(stack.nats.url, error_cb=quiet)
+        nc = await nats.connect(stack.nats.url, error_cb=quiet, **stack.nats_connect_options)
         js = nc.jetstream(timeout=3.0)
         await js.add_stream(name="KEEP", subjects=["keep.>"], storage=StorageType.FILE)
         await js.publish("keep.a", b"before the kill")
@@ -53,7 +53,8 @@ async def test_killed_nats_is_restarted_on_its_port_with_its_jetstream_data(tmp_
         assert stack.pid("nats") not in (None, old)
         assert stack.restarts == {**{s: 0 for s in SERVICES}, "nats": 1}
         stack.nats.wait_listening()
-        nc = await retry(lambda: nats.connect(stack.nats.url, error_cb=quiet, allow_reconnect=False))
+        nc = await retry(lambda: nats.connect(stack.nats.url, error_cb=quiet, allow_reconnect=False,
+                                                **stack.nats_connect_options))
         js = nc.jetstream(timeout=3.0)
         msg = await retry(lambda: js.get_msg("KEEP", 1))
         assert msg.data == b"before the kill"
@@ -73,7 +74,7 @@ async def test_watch_run_survives_a_nats_restart(tmp_path, nats_mode):
     await asyncio.to_thread(stack.start_nats)
     servers = stack.nats.url.split(",")
     try:
-        nc = await nats.connect(servers=servers, error_cb=quiet)
+        nc = await nats.connect(servers=servers, error_cb=quiet, **stack.nats_connect_options)
         js = nc.jetstream(timeout=3.0)
         await js.add_stream(name="EVENTS", subjects=["events.>"], storage=StorageType.FILE,
                             num_replicas=len(servers))
@@ -86,7 +87,8 @@ async def test_watch_run_survives_a_nats_restart(tmp_path, nats_mode):
         stack.kill("nats")
         await _wait(lambda: stack.restarts["nats"] == 1, 5)
         assert not watcher.done(), "a dead NATS does not end the run"
-        nc = await retry(lambda: nats.connect(servers=servers, error_cb=quiet, allow_reconnect=False))
+        nc = await retry(lambda: nats.connect(servers=servers, error_cb=quiet, allow_reconnect=False,
+                                                **stack.nats_connect_options))
         js = nc.jetstream(timeout=3.0)
         await retry(lambda: js.publish("events.version", data_pb2.VersionEvent(
             kind=data_pb2.VERSION_KIND_RUN_END, version=2, at=time.time()).SerializeToString(),

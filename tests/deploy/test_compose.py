@@ -3,11 +3,13 @@ service's typed config, and `docker compose config` accepts it where a Compose b
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pathlib
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 import yaml
@@ -61,7 +63,75 @@ def test_services_healthchecks_restart_policy_and_dependencies(compose):
         assert spec["restart"] == "unless-stopped" and spec["command"] == [module]
         assert spec["healthcheck"]["test"] == ["CMD", "python", "-m", "services.common.healthcheck", f":{port}"]
         assert spec["depends_on"]["nats"]["condition"] == "service_healthy"
-    assert services["nats"]["command"][:2] == ["nats-server", "-js"] and "nats:/data" in services["nats"]["volumes"]
+    nats_cmd = services["nats"]["command"]
+    assert nats_cmd[:3] == ["nats-server", "-c", "/secrets/nats.conf"] and "-js" in nats_cmd
+    assert "nats:/data" in services["nats"]["volumes"]
+
+
+def test_every_service_authenticates_with_its_own_generated_credentials(compose):
+    services = compose["services"]
+    assert "python -m services.common.credentials /secrets" in services["secrets"]["command"][-1]
+    for name, (module, _cls, _) in SERVICES.items():
+        env = environment(compose, name)
+        prefix = f"MESHRL_{module.upper()}__"
+        assert env[prefix + "AUTH_TOKEN_FILE"] == f"/secrets/grpc-{module}.token", name
+        assert env[prefix + "AUTH_PEERS_FILE"] == "/secrets/grpc-peers.json"
+        assert env[prefix + "NATS_USER"] == module and env[prefix + "NATS_PASSWORD_FILE"].endswith(f"{module}.password")
+        assert "secrets:/secrets:ro" in services[name]["volumes"]
+        assert not any(k.endswith("__AUTH_TOKEN") for k in env), f"{name}: a token in the environment"
+    reporter = services["reporter"]["command"]
+    assert reporter[reporter.index("--secrets") + 1] == "/secrets"
+
+
+async def test_the_generated_nats_config_enforces_users(tmp_path):
+    """What the `secrets` service writes, served by a real nats-server: each identity connects with its own password,
+    publishes only its subjects; no credentials and a wrong password are refused."""
+    import nats
+
+    from launcher.processes import free_port, nats_server_binary
+    from services.common.credentials import RunCredentials
+
+    secrets = tmp_path / "secrets"
+    subprocess.run([sys.executable, "-m", "services.common.credentials", str(secrets), "--nats-include",
+                    str(secrets / "nats-auth.conf")], check=True, capture_output=True, cwd=ROOT)
+    (secrets / "nats.conf").write_text("include ./nats-auth.conf\n")
+    port = free_port()
+    server = subprocess.Popen([nats_server_binary(), "-c", str(secrets / "nats.conf"), "-a", "127.0.0.1", "-p",
+                               str(port), "-js", "-sd", str(tmp_path / "data")], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    url = f"nats://127.0.0.1:{port}"
+    creds = RunCredentials(secrets)
+    try:
+        nc = None
+        for _ in range(50):
+            try:
+                nc = await nats.connect(url, allow_reconnect=False, **creds.nats_connect_options("builder"))
+                break
+            except (OSError, nats.errors.NoServersError):
+                await asyncio.sleep(0.1)
+        assert nc is not None
+        denied: list[Exception] = []
+
+        async def on_error(exc: Exception) -> None:
+            denied.append(exc)
+
+        nc_trainer = await nats.connect(url, allow_reconnect=False, error_cb=on_error,
+                                        **creds.nats_connect_options("trainer"))
+        await nc_trainer.publish("prompts.work", b"not the trainer's subject")
+        await nc_trainer.flush()
+        await asyncio.sleep(0.2)
+        assert any("permissions violation" in str(e).lower() for e in denied)
+        await nc.publish("prompts.work", b"the builder's")
+        await nc.flush()
+        await nc.close()
+        await nc_trainer.close()
+        for options in ({}, {"user": "builder", "password": "wrong"}):
+            with pytest.raises((nats.errors.Error, OSError)):
+                await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2,
+                                   **options)
+    finally:
+        server.terminate()
+        server.wait(10)
 
 
 def environment(compose: dict, service: str) -> dict[str, str]:
@@ -71,7 +141,8 @@ def environment(compose: dict, service: str) -> dict[str, str]:
 def test_settings_load_into_each_service_config(compose):
     for name, (module, cls, _) in SERVICES.items():
         env = environment(compose, name)
-        assert all(k.startswith(f"MESHRL_{module.upper()}__") for k in env), name
+        assert all(k.startswith(f"MESHRL_{module.upper()}__") or (name, k) == ("rollout", "MESHRL_ADMIN_KEY_FILE")
+                   for k in env), name
         config = load_config(cls, module, env=env)
         assert config.nats_url == "nats://nats:4222"
     trainer = load_config(TrainerConfig, "trainer", env=environment(compose, "trainer"))

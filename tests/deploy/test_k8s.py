@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import shutil
 import subprocess
+import sys
 
 import pytest
 import yaml
@@ -26,15 +28,25 @@ SERVICES = {"weight_exchange": WeightExchangeConfig, "reward": RewardConfig, "bu
 WORKLOADS = {"weight-exchange": "Deployment", "reward": "Deployment", "builder": "Deployment",
              "trainer": "StatefulSet", "rollout": "Deployment"}
 PORTS = {"rollout": 50051, "reward": 50052, "builder": 50053, "trainer": 50054, "weight-exchange": 50055}
-SECRET_KEYS = {"auth-token", "nats-user", "nats-password", "nats-url"}
 K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())  # oldest supported (gRPC probes GA: 1.27), newest
 
 
+@pytest.fixture(scope="module")
+def k8s_tree(tmp_path_factory) -> pathlib.Path:
+    """deploy/k8s copied aside with the dev overlay's credentials generated as the docs say (git ignores them)."""
+    tree = tmp_path_factory.mktemp("deploy") / "k8s"
+    shutil.copytree(ROOT / "deploy" / "k8s", tree, ignore=shutil.ignore_patterns("credentials"))
+    creds = tree / "overlays" / "dev" / "credentials"
+    subprocess.run([sys.executable, "-m", "services.common.credentials", str(creds), "--nats-include",
+                    str(creds / "nats-auth.conf")], check=True, capture_output=True, cwd=ROOT)
+    return tree
+
+
 @pytest.fixture(scope="module", params=OVERLAYS)
-def rendered(request) -> tuple[str, list[dict]]:
+def rendered(request, k8s_tree) -> tuple[str, list[dict]]:
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl (with its built-in kustomize) is not installed")
-    out = subprocess.run(["kubectl", "kustomize", str(ROOT / "deploy" / "k8s" / "overlays" / request.param)],
+    out = subprocess.run(["kubectl", "kustomize", str(k8s_tree / "overlays" / request.param)],
                          capture_output=True, text=True, check=True, timeout=60).stdout
     return request.param, [d for d in yaml.safe_load_all(out) if d]
 
@@ -79,21 +91,34 @@ def test_singletons_recreate_and_trainer_ranks_are_a_statefulset_behind_a_headle
     find(objects, "PersistentVolumeClaim", volumes["checkpoints"]["persistentVolumeClaim"]["claimName"])
 
 
-def test_secrets_carry_tokens_and_nats_credentials(rendered):
+def test_each_pod_mounts_only_its_own_credentials(rendered):
+    """No secret travels in the environment; each service's pod gets its own token and NATS password (and the peers'
+    digests), the NATS pod only the users' configuration, from the Secret meshrl-credentials."""
     overlay, objects = rendered
-    refs = set()
-    for obj in objects:
-        if obj["kind"] in ("Deployment", "StatefulSet"):
-            for c in obj["spec"]["template"]["spec"]["containers"]:
-                refs |= {(e["valueFrom"]["secretKeyRef"]["name"], e["valueFrom"]["secretKeyRef"]["key"])
-                         for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})}
-    assert {key for _, key in refs} == SECRET_KEYS
+    secret_names = set()
+    for name, kind in {**WORKLOADS, "nats": "StatefulSet"}.items():
+        pod = find(objects, kind, name)["spec"]["template"]["spec"]
+        for c in pod["containers"] + pod.get("initContainers", []):
+            assert not [e for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})], name
+        (volume,) = [v for v in pod["volumes"] if "secret" in v]
+        secret_names.add(volume["secret"]["secretName"])
+        items = {i["key"] for i in volume["secret"]["items"]}
+        if name == "nats":
+            assert items == ({"nats-auth.conf", "nats-cluster.conf"} if overlay.startswith("prod") else
+                             {"nats-auth.conf"})
+            continue
+        identity = name.replace("-", "_")
+        expected = {f"grpc-{identity}.token", "grpc-peers.json", f"nats-{identity}.password"}
+        assert items == expected | ({"gateway_admin_key"} if name == "rollout" else set()), name
+        mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+        assert mounts[volume["name"]]["mountPath"] == "/secrets" and mounts[volume["name"]]["readOnly"] is True
     secrets = [o for o in objects if o["kind"] == "Secret"]
-    if overlay == "dev":  # generated; elsewhere created beforehand (README)
+    if overlay == "dev":  # generated from the files made beforehand; elsewhere the Secret is created beforehand
         (secret,) = secrets
-        assert set(secret["data"]) == SECRET_KEYS and {name for name, _ in refs} == {secret["metadata"]["name"]}
+        assert secret_names == {secret["metadata"]["name"]}
+        assert {"grpc-operator.token", "grpc-peers.json", "nats-auth.conf", "gateway_admin_key"} <= set(secret["data"])
     else:
-        assert not secrets and {name for name, _ in refs} == {"meshrl-secrets"}
+        assert not secrets and secret_names == {"meshrl-credentials"}
 
 
 def test_settings_are_valid_service_configs(rendered):
@@ -104,6 +129,9 @@ def test_settings_are_valid_service_configs(rendered):
     for service, cls in SERVICES.items():
         config = load_config(cls, service, env=env)
         assert config.nats_replicas == (3 if overlay.startswith("prod") else 1), service
+        assert config.nats_user == service and config.auth_token_file == f"/secrets/grpc-{service}.token"
+        assert config.auth_peers_file == "/secrets/grpc-peers.json"
+        assert len(config.nats_url.split(",")) == (3 if overlay.startswith("prod") else 1), service
     assert load_config(TrainerConfig, "trainer", env=env).weight_transport == "tcp"
 
 
@@ -112,12 +140,13 @@ def test_nats_is_a_jetstream_cluster_of_three_in_prod(rendered):
     nats = find(objects, "StatefulSet", "nats")
     (conf,) = [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("nats-config")]
     text = conf["data"]["nats.conf"]
-    assert "jetstream" in text and "$NATS_PASSWORD" in text
+    settings = "\n".join(line.split("#")[0] for line in text.splitlines())  # without the comments
+    assert "jetstream" in text and "include ./auth/nats-auth.conf" in text and "password" not in settings
     if overlay.startswith("prod"):
-        assert nats["spec"]["replicas"] == 3
-        assert all(f"nats-{i}.nats-headless:6222" in text for i in range(3))
+        assert nats["spec"]["replicas"] == 3 and "include ./auth/nats-cluster.conf" in text
+        assert all(f"nats-{i}.nats-headless:6222" in text for i in range(3))  # the command that generates the routes
     else:
-        assert nats["spec"]["replicas"] == 1 and "routes" not in text
+        assert nats["spec"]["replicas"] == 1 and "cluster" not in settings
 
 
 def test_prod_scales_rollout_and_reward_with_budgets_and_accelerators(rendered):
@@ -149,3 +178,21 @@ def test_network_policies_deny_by_default_and_open_the_design_flows(rendered):
     labels = {o["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/part-of")
               for o in objects if o["kind"] in ("Deployment", "StatefulSet")}
     assert labels == {"meshrl"}  # what the NATS policy admits
+
+
+@pytest.mark.parametrize("overlay", ["base", "overlays/prod"])
+def test_nats_configuration_with_generated_credentials_is_valid(tmp_path, overlay):
+    """The nats.conf each overlay ships, with the includes `python -m services.common.credentials` writes, is what a
+    real nats-server accepts (`-t` checks the configuration)."""
+    from launcher.processes import nats_server_binary
+
+    shutil.copy(ROOT / "deploy" / "k8s" / overlay / "nats.conf", tmp_path / "nats.conf")
+    auth = tmp_path / "auth"
+    routes = ",".join(f"nats-route://nats-{i}.nats-headless:6222" for i in range(3))
+    subprocess.run([sys.executable, "-m", "services.common.credentials", str(auth), "--nats-include",
+                    str(auth / "nats-auth.conf"), "--nats-cluster-include", str(auth / "nats-cluster.conf"),
+                    "--nats-routes", routes], check=True, capture_output=True, cwd=ROOT)
+    out = subprocess.run([nats_server_binary(), "-c", str(tmp_path / "nats.conf"), "-t"], capture_output=True,
+                         text=True, timeout=30, env={**os.environ, "POD_NAME": "nats-0"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "route:" in (auth / "nats-cluster.conf").read_text() and oct((auth / "nats-auth.conf").stat().st_mode)[-3:] == "600"

@@ -21,13 +21,15 @@ def probe(stack, found: dict) -> None:
     listed = subprocess.run([GRPCURL, "-plaintext", stack.address("trainer"), "list"], capture_output=True,
                             text=True, timeout=30)
     found["grpcurl_list"] = listed.stdout
+    operator = (("authorization", f"Bearer {stack.operator_token}"),)
     with grpc.insecure_channel(stack.address("rollout")) as channel:
         stub = rollout_pb2_grpc.RolloutServiceStub(channel)
         try:
-            stub.Generate(rollout_pb2.GenerateRequest(n=1), timeout=30)
+            stub.Generate(rollout_pb2.GenerateRequest(n=1), timeout=30, metadata=operator)
         except grpc.RpcError as exc:
             found["invalid"] = (exc.code(), exc.details())
-        reply = stub.Generate(rollout_pb2.GenerateRequest(prompt_ids=[ord(c) for c in "12+30="], n=2), timeout=60)
+        reply = stub.Generate(rollout_pb2.GenerateRequest(prompt_ids=[ord(c) for c in "12+30="], n=2), timeout=60,
+                              metadata=operator)
         found["generated"] = [list(c.versions) for c in reply.completions]
 
 

@@ -1,0 +1,136 @@
+"""Asynchronous vs synchronous training on the same job: the default run config (tiny Qwen3, 64 prompts x 8
+samples per step) for a few steps at eta = 0 (synchronous: generation waits for the new weights), then at each
+asynchronous eta, with rollout and trainer pinned to separate cores (MESHRL_CPUS_ROLLOUT / MESHRL_CPUS_TRAINER)
+and one torch thread each.
+
+    python -m bench.async_speedup [--steps 40] [--etas 0,1,2] [--config configs/run.yaml] [--seed 0]
+
+One JSON line per case on stdout. Throughput is the steady state: the samples trained after the first step over
+the time from the first to the last TRAINED event (start-up, the first batch and the final evaluation are left
+out; `run_wall_seconds` is the whole run). From the synchronous run's phase times: Tt = the trainer's busy time
+per step (packing, forwards, backward, optimizer, weight sync) and Tg = the rest of its step (generation, reward,
+batching, the bus), so Tg + Tt is the synchronous step and the ideal asynchronous speed-up is
+(Tg + Tt) / max(Tg, Tt). Runs on a shared machine are noisy: the cases run back to back, compare them together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import sys
+import tempfile
+
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TRAINER_BUSY = ("phase_pack_seconds", "phase_recompute_seconds", "phase_forward_seconds", "phase_backward_seconds",
+                "phase_optimizer_seconds")
+
+
+def case_plan(config: str, *, eta: int, steps: int, threads: int) -> dict:
+    plan = yaml.safe_load((ROOT / config).read_text())
+    builder = plan["services"]["builder"]
+    builder.update(max_staleness=eta, total_steps=steps, eval_every=steps)  # evaluate before and after only
+    plan["services"].setdefault("rollout", {}).setdefault("engine", {})["torch_threads"] = threads
+    plan["services"].setdefault("trainer", {})["torch_threads"] = threads
+    return plan
+
+
+def pin(enabled: bool) -> str:
+    """Rollout on the first CPU this process may use, trainer on the second (the other services float)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    for key in ("MESHRL_CPUS_ROLLOUT", "MESHRL_CPUS_TRAINER"):
+        os.environ.pop(key, None)
+    if not enabled or len(cpus) < 2:
+        return ""
+    os.environ["MESHRL_CPUS_ROLLOUT"], os.environ["MESHRL_CPUS_TRAINER"] = str(cpus[0]), str(cpus[1])
+    return f"rollout:{cpus[0]},trainer:{cpus[1]}"
+
+
+def steady_state(trained: list[dict]) -> tuple[float, float, int]:
+    """(seconds, samples) from the first to the last TRAINED event, and the steps in between."""
+    trained = sorted(trained, key=lambda r: r["version"])
+    if len(trained) < 2:
+        return 0.0, 0.0, 0
+    seconds = trained[-1]["at"] - trained[0]["at"]
+    samples = trained[-1].get("trajectories_trained", 0.0) - trained[0].get("trajectories_trained", 0.0)
+    return seconds, samples, len(trained) - 1
+
+
+def phase_times(trained: list[dict]) -> tuple[float, float]:
+    """(Tt, step): the trainer's mean busy seconds per step incl. weight sync, and the mean step interval."""
+    seconds, _, steps = steady_state(trained)
+    later = [r for r in trained if r["version"] > min(x["version"] for x in trained)]
+    if not steps or not later:
+        return 0.0, 0.0
+    busy = sum(sum(r.get(k, 0.0) for k in TRAINER_BUSY) + r.get("phase_previous_weight_sync_seconds", 0.0)
+               for r in later) / len(later)
+    return busy, seconds / steps
+
+
+def run_case(config: str, *, eta: int, steps: int, seed: int, threads: int, pinned: bool, runs_root: pathlib.Path,
+             tmp: pathlib.Path) -> dict:
+    from launcher.stack import run
+
+    plan = case_plan(config, eta=eta, steps=steps, threads=threads)
+    path = tmp / f"eta{eta}.yaml"
+    path.write_text(yaml.safe_dump(plan))
+    placement = pin(pinned)
+    name = f"async-eta{eta}"
+    with contextlib.redirect_stdout(sys.stderr):  # the launcher prints its summary: keep stdout for JSON lines
+        summary = run(str(path), name=name, seed=seed, runs_root=runs_root, progress=False)
+    records = [json.loads(line) for line in (runs_root / name / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in records if r["kind"] == "trained"]
+    rollout = [r for r in records if r["kind"] == "rollout"]
+    seconds, samples, _ = steady_state(trained)
+    tt, step = phase_times(trained)
+    return {"model": plan.get("model", "tiny-qwen3"), "eta": eta, "steps": summary.get("steps", 0),
+            "samples_trained": summary.get("trajectories_trained", 0), "wall_seconds": round(seconds, 2),
+            "samples_per_second": round(samples / seconds, 2) if seconds else 0.0,
+            "eval_accuracy_after": summary.get("eval_accuracy_after"),
+            "max_staleness_trained": summary.get("max_staleness_trained", 0),
+            "dropped_stale": summary.get("trajectories_dropped_stale", 0),
+            "completed": summary.get("completed", False), "run_wall_seconds": summary.get("wall_seconds"),
+            "step_seconds": round(step, 4), "trainer_busy_seconds": round(tt, 4),
+            "rollout_generating_seconds": round(sum(r.get("engine_busy_seconds", 0.0) for r in rollout)
+                                                / len(rollout), 4) if rollout else None,
+            "extra_prompts_issued": summary.get("extra_prompts_issued", 0), "pinned": placement}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/run.yaml")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--etas", default="0,1,2", help="comma-separated; 0 (synchronous) is the baseline")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of rollout and trainer each")
+    parser.add_argument("--no-pin", action="store_true", help="leave rollout and trainer unpinned")
+    parser.add_argument("--runs-root", default=str(ROOT / "runs" / "bench"))
+    args = parser.parse_args(argv)
+    etas = [int(e) for e in args.etas.split(",")]
+    if 0 not in etas:
+        etas.insert(0, 0)
+    etas = sorted(set(etas))
+    runs_root = pathlib.Path(args.runs_root)
+    cases = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for eta in etas:
+            cases.append(run_case(args.config, eta=eta, steps=args.steps, seed=args.seed, threads=args.threads,
+                                  pinned=not args.no_pin, runs_root=runs_root, tmp=pathlib.Path(tmp)))
+    sync = cases[0]
+    tt = sync["trainer_busy_seconds"]
+    tg = max(0.0, sync["step_seconds"] - tt)
+    ideal = (tg + tt) / max(tg, tt) if max(tg, tt) > 0 else 0.0
+    for case in cases:
+        speedup = case["samples_per_second"] / sync["samples_per_second"] if sync["samples_per_second"] else 0.0
+        case.update(speedup_vs_sync=round(speedup, 3), ideal_speedup=round(ideal, 3),
+                    fraction_of_ideal=round(speedup / ideal, 3) if ideal else 0.0,
+                    sync_tg_seconds=round(tg, 4), sync_tt_seconds=round(tt, 4))
+        print(json.dumps(case), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""The async benchmark's arithmetic and the run report's phase times, on made-up event records."""
+
+from __future__ import annotations
+
+import json
+
+from bench.async_speedup import phase_times, steady_state
+from launcher.phases import phase_report
+
+
+def trained(version: int, at: float, **phases: float) -> dict:
+    return {"kind": "trained", "version": version, "at": at, "trajectories_trained": 512.0 * version,
+            "phase_batch_wait_seconds": 0.3, "phase_pack_seconds": 0.01, "phase_recompute_seconds": 0.05,
+            "phase_forward_seconds": 0.1, "phase_backward_seconds": 0.2, "phase_optimizer_seconds": 0.02, **phases}
+
+
+def test_steady_state_leaves_out_the_first_step_and_tt_includes_the_weight_sync():
+    records = [trained(1, 10.0), trained(2, 11.0, phase_previous_weight_sync_seconds=0.04),
+               trained(3, 12.0, phase_previous_weight_sync_seconds=0.04)]
+    assert steady_state(records) == (2.0, 1024.0, 2)
+    tt, step = phase_times(records)
+    assert abs(tt - (0.38 + 0.04)) < 1e-9 and step == 1.0
+
+
+class Events:  # what phase_report reads of launcher.report.EventLog
+    def __init__(self, path, records):
+        self.path, self.records = path, records
+
+    def of(self, kind):
+        return [r for r in self.records if r["kind"] == kind]
+
+
+def test_phase_report_joins_the_rollout_lines_draws_the_plot_and_names_the_bottleneck(tmp_path):
+    (tmp_path / "rollout_metrics.jsonl").write_text(
+        json.dumps({"version": 1, "engine_pause_seconds": 0.01, "pause_drain_seconds": 0.02, "interval_seconds": 1.0,
+                    "engine_busy_seconds": 0.6, "tokens": 3000, "engine_steps": 20}) + "\n" + '{"cut')
+    events = Events(tmp_path / "metrics.jsonl", [trained(1, 10.0), trained(2, 11.0, phase_previous_weight_sync_seconds=0.05)])
+    summary = phase_report(events, tmp_path, title="test")
+    assert (tmp_path / "phases.png").stat().st_size > 0
+    assert [r["kind"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())] == ["rollout"]
+    assert abs(summary["rollout"]["idle_seconds"] - 0.37) < 1e-9
+    assert summary["trainer"]["weight_sync_seconds"] == 0.025, "step 1's sync, reported by step 2, belongs to step 1"
+    assert summary["bottleneck"] == "rollout"

@@ -137,6 +137,9 @@ async def test_restarted_builder_finishes_an_eval_round_it_had_issued(nats_serve
     seen: list[data_pb2.VersionEvent] = []
     try:
         await until(lambda: len(first.evals.rounds[0].rewards) == 2 if first.evals.rounds else False, "2 of 3 results")
+        # the third work may still be queued at the stand-in rollout: a release before it is held would release
+        # nothing, and the re-issued work dedupes, so its result would never come
+        await until(lambda: len(rollout.held) == 1, "the third result held back")
         await crash(tasks, bus1)
         await rollout.release()
         bus2 = await Bus.connect(nats_server.url, name="builder-2", ack_wait=ACK_WAIT)

@@ -37,6 +37,7 @@ from services.common.ids import now
 from services.common.logging import get_logger
 from services.common.rpc import Servicer, start_server
 from services.common.service import supervise
+from services.common.steps import check_step_rewards
 
 ISSUED = prometheus_client.Counter("meshrl_builder_groups_issued_total", "Prompt groups issued")
 BATCHES = prometheus_client.Counter("meshrl_builder_batches_total", "Training batches published")
@@ -188,6 +189,7 @@ class Builder:
             await msg.ack()  # a redelivery of a group already batched or dropped
             return
         try:
+            check_step_rewards(traj)
             group = self.assembler.add(traj, ack=msg)
         except ValueError as exc:
             raise InvalidMessage(str(exc)) from exc

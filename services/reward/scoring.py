@@ -23,6 +23,7 @@ import msgpack
 from services.common.bus import InvalidMessage
 from services.common.contracts import data_pb2
 from services.common.ids import now
+from services.common.steps import check_step_rewards
 from services.reward.verifiers import Verdict, Verifier, build_verifier, shaping
 from services.reward.verifiers.pool import VerifierPool, shared_pool
 
@@ -62,6 +63,10 @@ def validate_trajectory(traj: data_pb2.Trajectory, vocab_size: int | None = None
         raise InvalidMessage("loss_mask: entries must be 0 or 1")
     if traj.versions and min(traj.versions) < -1:
         raise InvalidMessage("versions: must be >= -1")
+    try:
+        check_step_rewards(traj)
+    except ValueError as exc:
+        raise InvalidMessage(str(exc)) from exc
 
 
 class Scorer:

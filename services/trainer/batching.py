@@ -12,6 +12,7 @@ import torch
 
 from services.common.contracts import data_pb2
 from services.common.staleness import staleness
+from services.common.steps import check_step_rewards
 
 
 @dataclasses.dataclass
@@ -25,6 +26,8 @@ class PackedBatch:
     group_ids: torch.Tensor      # long[B]
     lengths: torch.Tensor        # long[B], completion tokens per row
     truncated: torch.Tensor      # bool[B], generation stopped at max_new_tokens (finish_reason "length")
+    step_rewards: torch.Tensor   # float[B, L-1], each process reward on the last token of its step, 0 elsewhere
+    step_mask: torch.Tensor      # bool[B, L-1], True where a step ends (rows without process rewards: none)
 
     def rows(self, index: torch.Tensor) -> PackedBatch:
         return PackedBatch(**{f.name: getattr(self, f.name)[index] for f in dataclasses.fields(self)})
@@ -47,6 +50,10 @@ def pack(trajectories: list[data_pb2.Trajectory], pad_token_id: int) -> PackedBa
         for field in ("behavior_logprobs", "versions", "loss_mask"):
             if len(getattr(t, field)) != n:
                 raise ValueError(f"{field}: {len(getattr(t, field))} entries for {n} tokens in {t.trajectory_id}")
+        try:
+            check_step_rewards(t)
+        except ValueError as exc:
+            raise ValueError(f"{exc} in {t.trajectory_id}") from None
     width = max(len(t.prompt_ids) + len(t.completion_ids) for t in trajectories)
     # rows built as Python lists and turned into tensors once per field: one torch.tensor call per row and
     # field cost ~0.3 s for 512 rows
@@ -63,13 +70,24 @@ def pack(trajectories: list[data_pb2.Trajectory], pad_token_id: int) -> PackedBa
         behav.append([*before, *t.behavior_logprobs, *after])
         versions.append([-1] * (p - 1) + list(t.versions) + [-1] * pad)
         groups.append(group_index.setdefault(t.group_id, len(group_index)))
+    step_rows, step_cols, step_values = [], [], []
+    for row, t in enumerate(trajectories):
+        for step in t.step_rewards:  # completion token end - 1 predicted at column len(prompt) - 1 + end - 1
+            step_rows.append(row)
+            step_cols.append(len(t.prompt_ids) + step.end - 2)
+            step_values.append(step.reward)
+    step_rewards = torch.zeros(len(trajectories), width - 1)
+    step_rewards[step_rows, step_cols] = torch.tensor(step_values, dtype=torch.float)
+    step_mask = torch.zeros(len(trajectories), width - 1, dtype=torch.bool)
+    step_mask[step_rows, step_cols] = True
     return PackedBatch(torch.tensor(input_ids, dtype=torch.long), torch.tensor(attention, dtype=torch.long),
                        torch.tensor(loss_mask, dtype=torch.float), torch.tensor(behav, dtype=torch.float),
                        torch.tensor(versions, dtype=torch.long),
                        torch.tensor([t.reward for t in trajectories], dtype=torch.float),
                        torch.tensor(groups, dtype=torch.long),
                        torch.tensor([len(t.completion_ids) for t in trajectories], dtype=torch.long),
-                       torch.tensor([t.finish_reason == "length" for t in trajectories], dtype=torch.bool))
+                       torch.tensor([t.finish_reason == "length" for t in trajectories], dtype=torch.bool),
+                       step_rewards, step_mask)
 
 
 def trajectory_staleness(t: data_pb2.Trajectory, train_version: int) -> int:

@@ -99,7 +99,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, algo: A
     result = algo.compute_advantages(
         batch.rewards, batch.group_ids, batch.loss_mask, values=old_values,
         old_logp=prox if prox is not None else batch.behav_logp, ref_logp=ref, lengths=batch.lengths,
-        truncated=batch.truncated)
+        truncated=batch.truncated, step_rewards=batch.step_rewards, step_mask=batch.step_mask)
     metrics["shaped_reward_mean"] = float(result.rewards.mean())
     metrics["advantage_abs_mean"] = float(masked_mean(result.advantages.abs(), batch.loss_mask.bool()))
     if result.kl_penalty is not None:

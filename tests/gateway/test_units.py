@@ -130,6 +130,21 @@ def test_session_transitions_returns_and_branching_export():
     assert session.interaction_count == 3 and session.interactions == []
 
 
+def test_per_turn_rewards_travel_as_process_rewards_on_each_turns_last_token():
+    session = _session()
+    _add_tokens(session, "a", None, [9], [1, 2])
+    _add_tokens(session, "b", "a", [9, 1, 2, 7], [3, 4, 5])
+    _add_tokens(session, "c", "b", [9, 1, 2, 7, 3, 4, 5, 6], [8])
+    session.set_reward(0.5, "a")
+    session.set_reward(2.0, "c")  # turn b gets no reward of its own: no step for it
+    session.transition(SessionState.ENDED, "ended")
+    (traj,) = export_session(session, mode="session", gamma=1.0)
+    assert list(traj.completion_ids) == [1, 2, 7, 3, 4, 5, 6, 8]
+    assert [(s.end, s.reward) for s in traj.step_rewards] == [(2, 0.5), (8, 2.0)]
+    assert all(traj.loss_mask[s.end - 1] == 1 for s in traj.step_rewards)
+    assert traj.reward == 2.5  # the outcome reward stays the turns' discounted sum
+
+
 async def test_replay_cache_forgets_failed_and_expired_attempts():
     cache = ReplayCache(ttl_s=0.05)
     first = cache.register("s", "k")

@@ -5,6 +5,8 @@ the root's prompt, then every turn's sampled ids (loss mask 1, their versions an
 tokens between turns (tool results, user turns, template glue: mask 0, version -1). The latest leaf's
 path carries the session's group id and group size; other branches travel as groups of one.
 "interaction" mode: one trajectory per interaction, each its own group of one, with its discounted return.
+In session mode the turns' own rewards also travel as process rewards (`step_rewards`, one per rewarded turn,
+ending on the turn's last sampled token), beside the outcome `reward` (their discounted sum).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def paths(session: Session) -> list[list[Interaction]]:
 def _path_traj(session: Session, path: list[Interaction], n: int, *, primary: bool, gamma: float) -> data_pb2.Trajectory:
     root = path[0]
     ids, logprobs, versions, mask = [], [], [], []
+    steps: list[data_pb2.StepReward] = []  # each turn's own reward, set with /rl/set_reward, on its last token
     for k, inter in enumerate(path):
         if k > 0:
             done = len(root.prompt_ids) + len(ids)
@@ -55,10 +58,14 @@ def _path_traj(session: Session, path: list[Interaction], n: int, *, primary: bo
         logprobs += inter.logprobs
         versions += inter.versions
         mask += [1] * len(inter.output_ids)
+        if inter.reward is not None and inter.output_ids:
+            steps.append(data_pb2.StepReward(end=len(ids), reward=inter.reward))
     reward = sum((gamma ** t) * (inter.reward or 0.0) for t, inter in enumerate(path))
     group_id, group_size = (session.group_id, session.group_size) if primary else (f"{session.id}-branch{n}", 1)
-    return _trajectory(session, f"traj-{session.id}-{n}", path, root.prompt_ids, ids, logprobs, versions, mask,
+    traj = _trajectory(session, f"traj-{session.id}-{n}", path, root.prompt_ids, ids, logprobs, versions, mask,
                        reward, group_id, group_size, extra={"branch": not primary, "turns": len(path)})
+    traj.step_rewards.extend(steps)
+    return traj
 
 
 def _interaction_traj(session: Session, inter: Interaction, ret: float, n: int) -> data_pb2.Trajectory:

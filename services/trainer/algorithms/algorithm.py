@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .advantages import gae, normalize_rewards, token_rewards, whiten
+from .advantages import gae, last_token_mask, normalize_rewards, token_rewards, whiten
 from .aggregation import aggregate, loss_weight, masked_mean
 from .losses import TokenLoss, cispo_loss, gspo_loss, ppo_clip_loss, sapo_loss, value_loss
 from .offline import dpo_loss, sequence_logp, sft_loss
@@ -58,17 +58,74 @@ class Algorithm:
         c = self.config
         r = rewards.float()
         if c.overlong_penalty:
-            assert c.max_new_tokens is not None and lengths is not None
-            cache = c.overlong_tokens or max(1, c.max_new_tokens // 5)
-            r = r + overlong_penalty(
-                lengths, max_new_tokens=c.max_new_tokens, overlong_tokens=cache, factor=c.overlong_penalty_factor
-            )
+            r = r + self._overlong(lengths)
         r = shape_rewards(r, bias=c.reward_bias, scale=c.reward_scaling, clip=c.reward_clip)
         if c.mask_truncated_reward:
             if truncated is None:
                 raise ValueError("mask_truncated_reward needs `truncated` (bool[B]) from the rollout")
             r = torch.where(truncated.bool(), 0.0, r)
         return r
+
+    def _overlong(self, lengths: torch.Tensor | None) -> torch.Tensor:
+        c = self.config
+        assert c.max_new_tokens is not None and lengths is not None
+        cache = c.overlong_tokens or max(1, c.max_new_tokens // 5)
+        return overlong_penalty(
+            lengths, max_new_tokens=c.max_new_tokens, overlong_tokens=cache, factor=c.overlong_penalty_factor
+        )
+
+    def process_token_rewards(
+        self,
+        rewards: torch.Tensor,
+        group_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        step_rewards: torch.Tensor,
+        step_mask: torch.Tensor,
+        *,
+        lengths: torch.Tensor,
+        truncated: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Process supervision (DeepSeekMath, section 4.1.3): every step reward is shaped like a sequence reward
+        (the overlong penalty on a row's last step, truncation zeroing all of a row's steps), normalised over
+        the steps of its group (or batch) and placed on the token that ends its step, so that with discount 1
+        and no critic a token's advantage is the sum of the normalised rewards of the steps from its own on.
+        A row without process rewards counts its outcome reward as one step on its last trained token.
+
+        Returns (float[B, T] token rewards, float[B] shaped rewards: the sum of each row's steps).
+        """
+        c = self.config
+        mask = loss_mask.bool()
+        last_token = last_token_mask(mask)
+        ends = step_mask.bool() & mask
+        bare = ~ends.any(-1, keepdim=True)
+        ends = ends | (bare & last_token)
+        values = torch.where(bare, rewards.float().unsqueeze(-1), step_rewards.float())[ends]
+        rows = ends.nonzero()[:, 0]  # row-major, the order of values
+        positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+        last_end = torch.where(ends, positions, -1).amax(-1, keepdim=True)
+        is_last = (positions == last_end)[ends]
+        if c.overlong_penalty:
+            values = values + torch.where(is_last, self._overlong(lengths)[rows], 0.0)
+        values = shape_rewards(values, bias=c.reward_bias, scale=c.reward_scaling, clip=c.reward_clip)
+        if c.mask_truncated_reward:
+            if truncated is None:
+                raise ValueError("mask_truncated_reward needs `truncated` (bool[B]) from the rollout")
+            values = torch.where(truncated.bool()[rows], 0.0, values)
+        shaped = torch.zeros(mask.shape[0], device=values.device).index_add_(0, rows, values)
+        normed = values
+        if c.reward_norm_mean is not None or c.reward_norm_std is not None:
+            normed = normalize_rewards(
+                values,
+                group_ids[rows],
+                mean_level=c.reward_norm_mean,
+                std_level=c.reward_norm_std,
+                leave_one_out=c.reward_norm_leave_one_out,
+                unbiased=c.std_unbiased,
+                eps=c.norm_eps,
+            )
+        tok = torch.zeros(mask.shape, device=values.device)
+        tok[ends] = normed.float()
+        return tok, shaped
 
     def compute_advantages(
         self,
@@ -81,26 +138,39 @@ class Algorithm:
         ref_logp: torch.Tensor | None = None,
         lengths: torch.Tensor | None = None,
         truncated: torch.Tensor | None = None,
+        step_rewards: torch.Tensor | None = None,
+        step_mask: torch.Tensor | None = None,
     ) -> AdvantageResult:
         """Shaped reward -> normalisation -> per-token rewards (+KL) -> GAE -> optional whitening.
 
-        ``lengths`` defaults to the trained-token count per row (the completion length).
+        ``lengths`` defaults to the trained-token count per row (the completion length). With
+        ``reward_level: process`` the rewards are per step (``step_rewards`` on the tokens ``step_mask`` marks,
+        see ``process_token_rewards``; none given: each row's outcome reward is its one step).
         """
         c = self.config
         mask = loss_mask.bool()
-        shaped = self.shape_rewards(rewards, lengths=mask.sum(-1) if lengths is None else lengths, truncated=truncated)
-        r = shaped
-        if c.reward_norm_mean is not None or c.reward_norm_std is not None:
-            r = normalize_rewards(
-                shaped,
-                group_ids,
-                mean_level=c.reward_norm_mean,
-                std_level=c.reward_norm_std,
-                leave_one_out=c.reward_norm_leave_one_out,
-                unbiased=c.std_unbiased,
-                eps=c.norm_eps,
+        lengths = mask.sum(-1) if lengths is None else lengths
+        if c.reward_level == "process":
+            if step_mask is None:  # no process rewards: every row's outcome is its one step
+                step_rewards, step_mask = torch.zeros(mask.shape, device=mask.device), torch.zeros_like(mask)
+            assert step_rewards is not None
+            tok, shaped = self.process_token_rewards(
+                rewards, group_ids, mask, step_rewards, step_mask, lengths=lengths, truncated=truncated
             )
-        tok = token_rewards(r, mask)
+        else:
+            shaped = self.shape_rewards(rewards, lengths=lengths, truncated=truncated)
+            r = shaped
+            if c.reward_norm_mean is not None or c.reward_norm_std is not None:
+                r = normalize_rewards(
+                    shaped,
+                    group_ids,
+                    mean_level=c.reward_norm_mean,
+                    std_level=c.reward_norm_std,
+                    leave_one_out=c.reward_norm_leave_one_out,
+                    unbiased=c.std_unbiased,
+                    eps=c.norm_eps,
+                )
+            tok = token_rewards(r, mask)
         kl = None
         if c.kl_ctl > 0:
             if old_logp is None or ref_logp is None:

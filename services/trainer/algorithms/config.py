@@ -24,6 +24,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "behav_imp_weight_level": ("token", "sequence"),
     "loss_agg": AGG_MODES,
     "dpo_loss_type": ("sigmoid", "ipo"),
+    "reward_level": ("outcome", "process"),
 }
 
 
@@ -49,6 +50,7 @@ class AlgorithmConfig:
     kl_loss_estimator: str = "k3"
 
     # Advantages
+    reward_level: str = "outcome"  # outcome (one reward per sequence) | process (per-step rewards, see algorithm.py)
     reward_norm_mean: str | None = "group"  # group | batch | None
     reward_norm_std: str | None = "group"  # group | batch | None
     reward_norm_leave_one_out: bool = False  # RLOO baseline
@@ -127,6 +129,11 @@ class AlgorithmConfig:
             for name, inert in (("prox_logp_method", "recompute"), ("m2_threshold", None)):
                 if getattr(self, name) != inert:
                     raise ValueError(f"algorithm setting {name}={getattr(self, name)!r} needs use_decoupled_loss=True")
+        if self.reward_level == "process" and self.objective in ("gspo", "dpo", "sft"):
+            raise ValueError(
+                f"algorithm setting reward_level='process': objective {self.objective!r} weighs whole sequences; "
+                "process rewards need a token-level objective (ppo, sapo, cispo)"
+            )
         if self.objective in ("dpo", "sft") and (self.use_critic or self.dynamic_sampling):
             raise ValueError(
                 f"algorithm objective {self.objective!r} is offline: use_critic and dynamic_sampling must be off"

@@ -13,6 +13,8 @@ _DECOUPLED = {"use_decoupled_loss": True, "behav_imp_weight_cap": 5.0}
 
 PRESETS: dict[str, dict[str, Any]] = {
     "grpo": {"objective": "ppo", **_GROUP, "eps_clip": 0.2, **_DECOUPLED, "loss_agg": "token_mean"},
+    "grpo_process": {"objective": "ppo", **_GROUP, "reward_level": "process", "eps_clip": 0.2, **_DECOUPLED,
+                     "loss_agg": "token_mean"},
     "ppo": {
         "objective": "ppo",
         "use_critic": True,
@@ -96,6 +98,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 DESCRIPTIONS: dict[str, str] = {
     "grpo": "GRPO: group mean/std advantages, decoupled PPO clip (meshrl default)",
+    "grpo_process": "GRPO with process supervision: step rewards normalised over the group's steps",
     "ppo": "PPO with a critic: GAE advantages, batch-whitened, clipped value loss",
     "drgrpo": "Dr.GRPO: group mean only, token sums over a constant normaliser",
     "dapo": "DAPO: clip-higher, overlong penalty, dynamic sampling, token-mean",

@@ -35,6 +35,8 @@ def advantage(c: AlgorithmConfig) -> str:
         mean = {"group": "group mean", "batch": "batch mean", None: ""}[c.reward_norm_mean]
         std = {"group": "group std", "batch": "batch std", None: ""}[c.reward_norm_std]
         text = "reward" + (f" - {mean}" if mean else "") + (f", / {std}" if std else "")
+    if c.reward_level == "process":
+        text = f"per-step {text} (step rewards summed from each token on)"
     extras = [e for e, on in (("batch-whitened", c.adv_norm), ("overlong penalty", c.overlong_penalty),
                               ("dynamic sampling", c.dynamic_sampling)) if on]
     return text + "".join(f", {e}" for e in extras)

@@ -29,7 +29,8 @@ def batch_metrics(batch: PackedBatch, version: int) -> dict[str, float]:
     """What the batch is, before any filtering: size, reward, length, staleness histogram."""
     return {"reward_mean": float(batch.rewards.mean()), "samples": float(batch.size),
             "completion_tokens_mean": float(batch.lengths.float().mean()),
-            "truncated_fraction": float(batch.truncated.float().mean()), **batch_staleness(batch.versions, version)}
+            "truncated_fraction": float(batch.truncated.float().mean()),
+            "process_rewards": float(batch.step_mask.sum()), **batch_staleness(batch.versions, version)}
 
 
 def kl_to_reference(logp: torch.Tensor, ref_logp: torch.Tensor, loss_mask: torch.Tensor) -> float:

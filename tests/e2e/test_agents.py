@@ -21,6 +21,8 @@ def test_example_agents_drive_training_through_the_gateway(tmp_path):
     assert summary["max_staleness_trained"] <= summary["eta"] == 1
     assert len(summary["agent_reward_curve"]) == 6
     events = [json.loads(line) for line in (tmp_path / "agents" / "metrics.jsonl").read_text().splitlines()]
+    steps = [e for e in events if "process_rewards" in e]
+    assert steps and all(e["process_rewards"] >= 4 * 4 for e in steps), "every trained trajectory had its step"
     budgets = [e for e in events if e.get("kind") == "budget"]
     assert budgets and max(e["limit_groups"] for e in budgets) >= (5 + 1 + 1) * 4, budgets[-1]  # deployed v5+
     log = (tmp_path / "agents" / "logs" / "agents.log").read_text().splitlines()

@@ -6,6 +6,7 @@ import dataclasses
 
 from services.common.config import ServiceConfig
 from services.reward.sandbox import SandboxConfig
+from services.reward.verifiers.judge import JudgeConfig
 from services.reward.verifiers.pool import VerifierPool
 
 
@@ -34,3 +35,4 @@ class RewardConfig(ServiceConfig):
     concurrency: int = 16
     verifier_pool: PoolConfig = dataclasses.field(default_factory=PoolConfig)
     sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)  # code verifiers' bwrap sandbox
+    judge: JudgeConfig = dataclasses.field(default_factory=JudgeConfig)  # the llm_judge verifier's endpoint

@@ -16,7 +16,7 @@ from services.common.rpc import Servicer, invalid_argument, start_server
 from services.reward import sandbox
 from services.reward.config import RewardConfig
 from services.reward.scoring import Scorer, decode_metadata
-from services.reward.verifiers import build_verifier, verifier_names
+from services.reward.verifiers import build_verifier, judge, verifier_names
 
 SCORED = prometheus_client.Counter("meshrl_reward_scored_total", "Trajectories scored")
 REWARD = prometheus_client.Summary("meshrl_reward_value", "Rewards given")
@@ -52,6 +52,7 @@ async def serve(config: RewardConfig, stop: asyncio.Event) -> None:
     tokenizer = AutoTokenizer.from_pretrained(config.model_path)
     build_verifier(config.default_verifier, "default_verifier")  # a misspelt default stops start-up
     sandbox.configure(config.sandbox)  # code verifiers check bwrap when first built, never run unsandboxed
+    judge.configure(config.judge)  # llm_judge's endpoint; reads the API key now (a missing key file stops start-up)
     pool = config.verifier_pool.build()
     scorer = Scorer(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), config.default_verifier,
                     timeout_s=config.verifier_pool.timeout_s, pool=pool,

@@ -1,5 +1,9 @@
 """Verifier names to verifiers: the built-ins, `reasoning_gym:<family>` for every reasoning-gym family, and the
-plugins installed under the `meshrl.verifiers` entry-point group."""
+plugins installed under the `meshrl.verifiers` entry-point group.
+
+Verifiers are built with no arguments. The few that need service configuration read it from their module, set once
+at start-up: code verifiers from `sandbox.configure(...)`, `llm_judge` from `judge.configure(...)` (both called by
+services/reward/server.py; a judge that was never configured refuses its tasks in `check`)."""
 
 from __future__ import annotations
 
@@ -10,11 +14,13 @@ from services.reward.verifiers.base import Verifier
 from services.reward.verifiers.code_io import CodeIOVerifier
 from services.reward.verifiers.code_tests import CodeTestsVerifier
 from services.reward.verifiers.exact import ExactMatchVerifier
+from services.reward.verifiers.judge import JudgeVerifier
 from services.reward.verifiers.math import MathVerifier
 from services.reward.verifiers.regex import RegexVerifier
 
 BUILTIN: dict[str, Callable[[], Verifier]] = {"math": MathVerifier, "exact": ExactMatchVerifier, "regex": RegexVerifier,
-                                              "code_tests": CodeTestsVerifier, "code_io": CodeIOVerifier}
+                                              "code_tests": CodeTestsVerifier, "code_io": CodeIOVerifier,
+                                              "llm_judge": JudgeVerifier}
 
 
 def build_verifier(name: str, field: str = "verifier") -> Verifier:

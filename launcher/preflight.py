@@ -36,6 +36,7 @@ def check_service(service: str, config_file: pathlib.Path) -> Any:
 
 def check_dataset(builder_config: Any) -> dict[str, int]:
     """Reads a file dataset's rows and checks their verifiers; returns the row count of each split."""
+    from services.builder.tasks import grading_metadata
     from services.reward.verifiers.registry import build_verifier
 
     dataset = builder_config.dataset
@@ -49,7 +50,7 @@ def check_dataset(builder_config: Any) -> dict[str, int]:
             name = task.metadata.get("verifier", "math")
             if name not in verifiers:
                 verifiers[name] = build_verifier(name, f"dataset.verifier (task {task.task_id})")
-            verifiers[name].check({"answer": task.answer, **task.metadata})  # what the builder sends
+            verifiers[name].check(grading_metadata(task))  # what the builder sends
     except (ValueError, OSError) as exc:
         raise PreflightError(f"dataset: {exc}") from None
     return {"train": len(built.train), "eval": len(built.eval)}
@@ -58,6 +59,13 @@ def check_dataset(builder_config: Any) -> dict[str, int]:
 def check_all(config_files: dict[str, pathlib.Path]) -> dict[str, Any]:
     """Every service's config, and the builder's dataset; the first problem raises PreflightError."""
     configs = {service: check_service(service, path) for service, path in config_files.items()}
+    if "reward" in configs:  # the judge's endpoint, as the reward service sets it, for tasks naming llm_judge
+        from services.reward.verifiers import judge
+
+        try:
+            judge.configure(configs["reward"].judge)
+        except ValueError as exc:
+            raise PreflightError(f"services.reward.{exc}") from None
     if "builder" in configs and configs["builder"].source == "dataset":
         check_dataset(configs["builder"])
     return configs

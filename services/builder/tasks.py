@@ -2,6 +2,7 @@
 
 PromptWork.metadata (msgpack map), what the reward service grades with:
 - ``answer`` (str): the reference answer;
+- ``question`` (str): the prompt as text (a chat task's last user turn), for judges and plugins;
 - ``verifier`` (str): math | exact | regex | reasoning_gym:<family> | a plugin name (a row's own overrides
   the dataset's);
 - ``verifier_options`` (map), ``shaping`` (list of maps with a ``name``), ``extract`` (last_number | tag |
@@ -39,11 +40,16 @@ def train_stream(num: int, seed: int) -> Iterator[Task]:
     return shuffled_epochs(generate_split("train", num, seed), seed)
 
 
+def grading_metadata(task: Task) -> dict:
+    """What the reward service grades the task with (the metadata keys listed above)."""
+    return {"answer": task.answer, "question": task.question, **task.metadata}
+
+
 def make_work(task: Task, *, work_id: str, group_id: str, group_size: int, encode: Callable[[Task], list[int]],
               sampling: data_pb2.SamplingParams, version: int, split: str, issued_at: float,
               extra: dict | None = None) -> data_pb2.PromptWork:
     """``encode`` renders the task's prompt into token ids (see ``DatasetConfig.encoder``)."""
-    metadata = {"answer": task.answer, **task.metadata, **(extra or {})}
+    metadata = {**grading_metadata(task), **(extra or {})}
     return data_pb2.PromptWork(
         work_id=work_id, task_id=task.task_id, group_id=group_id, prompt_ids=encode(task),
         group_size=group_size, sampling=sampling, issued_version=version, issued_at=issued_at,

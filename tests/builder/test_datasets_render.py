@@ -118,7 +118,7 @@ def test_prompt_work_carries_the_metadata_contract(tmp_path):
                      extra={"eval_round": 0})
     assert list(work.prompt_ids) == encode(own)
     assert msgpack.unpackb(work.metadata, raw=False) == {
-        "answer": "x", "verifier": "exact", "verifier_options": {"pattern": r"answer: (\w+)"},
+        "answer": "x", "question": "Name it", "verifier": "exact", "verifier_options": {"pattern": r"answer: (\w+)"},
         "shaping": [{"name": "format", "weight": 0.2}], "row": {"id": 7}, "eval_round": 0}
     meta = msgpack.unpackb(make_work(default, work_id="g-0", group_id="g-0", group_size=2, encode=encode,
                                      sampling=data_pb2.SamplingParams(), version=0, split="train",

@@ -104,3 +104,24 @@ def test_meshrl_run_prints_one_line_and_starts_nothing(tmp_path):
         assert not list((ROOT / "runs" / name).glob("logs/*.log")), "a process started"
     finally:
         shutil.rmtree(ROOT / "runs" / name, ignore_errors=True)
+
+
+@pytest.fixture
+def judge_reset():
+    from services.reward.verifiers import judge
+
+    yield
+    judge.configure(judge.JudgeConfig())
+
+
+def test_a_judged_dataset_needs_the_reward_services_judge(tmp_path, judge_reset):
+    train = rows(tmp_path, '{"prompt": "Name a prime.", "answer": "7", "verifier": "llm_judge"}')
+    builder = builder_with(tmp_path, train=train, eval=train)
+    with pytest.raises(preflight.PreflightError, match="judge.base_url"):
+        preflight.check_all({"builder": builder, "reward": write(tmp_path, "reward", {})})
+    reward = write(tmp_path, "reward", {"judge": {"base_url": "http://127.0.0.1:9/v1", "model": "judge"}})
+    assert preflight.check_dataset(preflight.check_all({"builder": builder, "reward": reward})["builder"])
+    missing_key = write(tmp_path, "reward", {"judge": {"base_url": "http://127.0.0.1:9/v1", "model": "judge",
+                                                       "api_key_file": str(tmp_path / "no-key")}})
+    with pytest.raises(preflight.PreflightError, match="services.reward.judge.api_key_file"):
+        preflight.check_all({"builder": builder, "reward": missing_key})

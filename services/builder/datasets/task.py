@@ -21,3 +21,12 @@ class Task:
     answer: str
     messages: list[dict[str, Any]] | None = dataclasses.field(default=None, hash=False)
     metadata: dict[str, Any] = dataclasses.field(default_factory=lambda: {"verifier": "math"}, hash=False)
+
+    @property
+    def question(self) -> str:
+        """The question as text: the prompt, or the last user turn of a chat task (for judges and plugins)."""
+        if self.messages:
+            users = [m.get("content") for m in self.messages if m.get("role") == "user"]
+            if users and isinstance(users[-1], str):
+                return users[-1]
+        return self.prompt

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 
 from services.rollout.engines.sequence import Sequence, Status
 
@@ -94,6 +95,8 @@ class Scheduler:
                 self._end(seq, "abort")
                 done.append(seq)
                 continue
+            if not seq.output_ids:
+                seq.first_token_at = time.perf_counter()
             seq.output_ids.append(token)
             seq.logprobs.append(logprob)
             seq.versions.append(version)

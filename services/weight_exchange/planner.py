@@ -3,13 +3,19 @@
 Deterministic (same layouts -> same plan and hash on every rank). Every receiver byte is planned exactly once:
 each receiver shard is cut along the boundaries of the sender shards that overlap it, and each cell goes to
 one sender holding it: same host first, then a sender the receiver already pulls from (few links), then the
-one with the fewest bytes assigned so far (data-parallel replicas share the load). Transfers are split to at most one bucket and coalesced per link into buckets. Pure, no I/O.
+one with the fewest bytes assigned so far (data-parallel replicas share the load). Transfers are split to at most one bucket and coalesced per link into buckets.
+
+A receiver whose layout is post-load transformed (`RankLayout.post_load_transformed`: the engine keeps its weights
+in a private rearranged format) never gets raw bytes written into its live tensors: its transfers land in staging
+tensors named by canonical name (whole checkpoint tensors), `Plan.load_weights` lists it, and it must hand them to
+the engine's own `load_weights`. Pure but for a warning log.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -18,6 +24,7 @@ from services.weight_exchange.client.regions import Region, grid, split
 from services.weight_exchange.client.transfer import Transfer
 
 DEFAULT_BUCKET_BYTES = 64 << 20
+log = logging.getLogger(__name__)
 
 
 class PlanError(ValueError):
@@ -43,6 +50,9 @@ class Plan:
     plan_hash: str
     senders: list[str]
     receivers: list[str]
+    # receivers that must apply through the engine's `load_weights` (post-load-transformed layouts): their
+    # transfers' dst_local names are canonical names of staging tensors, never live tensors
+    load_weights: list[str] = dataclasses.field(default_factory=list)
 
     def for_receiver(self, rank_id: str) -> list[Transfer]:
         return [t for t in self.transfers if t.dst == rank_id]
@@ -57,8 +67,9 @@ def plan(senders: Sequence[RankLayout], receivers: Sequence[RankLayout], *,
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes: must be positive, got {bucket_bytes}")
     senders = sorted(senders, key=lambda layout: layout.rank_id)
-    receivers = sorted(receivers, key=lambda layout: layout.rank_id)
+    receivers = sorted((_receiving(r) for r in receivers), key=lambda layout: layout.rank_id)
     assert all(s.role == SENDER for s in senders) and all(r.role == RECEIVER for r in receivers)
+    staged = [r.rank_id for r in receivers if r.post_load_transformed]
     index = _index_senders(senders)
     load = [0] * len(senders)
     geometry: dict[int, tuple[Shard, int, list[tuple[Region, list[tuple[int, Shard]]]]]] = {}
@@ -87,9 +98,19 @@ def plan(senders: Sequence[RankLayout], receivers: Sequence[RankLayout], *,
                                     cell.numel * itemsize, dtype=src.dtype))
     names = ([s.rank_id for s in senders], [r.rank_id for r in receivers])
     if stats_only:
-        return Plan([], acc.stats(), acc.digest(), *names)
+        return Plan([], acc.stats(), acc.digest(), *names, load_weights=staged)
     transfers = _bucketize(raw, bucket_bytes)
-    return Plan(transfers, _stats(transfers), plan_hash(transfers), *names)
+    return Plan(transfers, _stats(transfers), plan_hash(transfers), *names, load_weights=staged)
+
+
+def _receiving(layout: RankLayout) -> RankLayout:
+    """The layout the planner writes into: a post-load-transformed receiver's is its staging layout."""
+    if not layout.post_load_transformed:
+        return layout
+    log.warning("weight_exchange: receiver %s declares a post-load-transformed layout (%s): no raw bytes are "
+                "written into its live tensors; it receives whole checkpoint tensors for the engine's load_weights",
+                layout.rank_id, layout.framework)
+    return dataclasses.replace(layout, shards=layout.staging_shards())
 
 
 def _index_senders(senders: Sequence[RankLayout]) -> dict[str, list[tuple[Region, list[tuple[int, Shard]]]]]:
@@ -275,6 +296,6 @@ def bytes_min(receivers: Sequence[RankLayout], wire_itemsize: dict[str, int] | N
     """Bytes the receivers need (each receiver byte once), in the senders' dtype when given."""
     total = 0
     for r in receivers:
-        for s in r.shards:
+        for s in (r.staging_shards() if r.post_load_transformed else r.shards):
             total += s.canonical_region.numel * (wire_itemsize or {}).get(s.canonical_name, ITEMSIZE[s.dtype])
     return total

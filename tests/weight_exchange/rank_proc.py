@@ -18,6 +18,7 @@ import torch
 from services.common.logging import configure_logging
 from services.common.rpc import start_server
 from services.weight_exchange.client import ReceiverAgent, SenderAgent
+from services.weight_exchange.client.layouts.inference import receiver_views
 from services.weight_exchange.client.layouts.model import model_spec
 from services.weight_exchange.client.layouts.topology import parse_side, rank_shards
 from services.weight_exchange.reference import hf_reference, local_tensors
@@ -49,7 +50,7 @@ async def run(a: argparse.Namespace) -> None:
         rank_id = f"{a.prefix}-{rank}"
         shards, parallel = rank_shards(spec, side, rank, a.dtype)
         tensors = local_tensors(spec, side, rank, ref)
-        check_layout(rank_id, tensors, shards)
+        check_layout(rank_id, receiver_views(side.framework, tensors), shards)
         if a.role == "sender":
             agent = SenderAgent(rank_id, tensors, a.wx, transports=tuple(a.transports.split(",")), shards=shards,
                                 framework=side.framework, parallel=parallel)
@@ -86,8 +87,9 @@ def _receiver(rank_id, tensors, expected, shards, framework, parallel, wx, out: 
         bad = [k for k, t in tensors.items() if not torch.equal(t.view(torch.uint8), expected[k].view(torch.uint8))]
         (out / f"{rank_id}.v{version}.json").write_text(json.dumps({"bad": bad}))
 
-    return ReceiverAgent(rank_id, tensors, wx, on_pause=on_pause, on_resume=on_resume, shards=shards,
-                         framework=framework, parallel=parallel)
+    # vLLM-Ascend: the transposed experts are written through views in the layout's (logical) shapes
+    return ReceiverAgent(rank_id, receiver_views(framework, tensors), wx, on_pause=on_pause, on_resume=on_resume,
+                         shards=shards, framework=framework, parallel=parallel)
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ TRANSPORTS = ("tcp", "shm", "gloo") + (("ucx",) if importlib.util.find_spec("ucx
 FAST = [
     ("tiny-qwen3", "megatron:tp=2", "vllm:tp=2"),
     ("tiny-qwen3", "hf", "vllm:tp=4"),                                   # TP 4 > 2 KV heads: KV replicated
-    ("tiny-qwen3-moe", "megatron:tp=2,pp=2,ep=2,etp=1", "vllm:tp=4,ep=2"),
+    ("tiny-qwen3-moe", "megatron:tp=2,pp=2,ep=2,etp=1", "vllm:tp=2,edp=2,ep=4"),   # vLLM EP = tp x edp
     ("tiny-llama-gqa9", "megatron:tp=3", "sglang:tp=3"),                 # SmolLM2-like 9 heads / 3 KV at TP 3
 ]
 SLOW = [
@@ -29,7 +29,8 @@ SLOW = [
     ("tiny-qwen2", "megatron:tp=2", "vllm:tp=4"),                        # qkv bias
     ("tiny-qwen3-moe", "megatron:tp=1,dp=4,ep=4", "sglang:tp=4,ep=4"),
     ("tiny-qwen3-moe", "megatron:tp=2,ep=1", "vllm:tp=2"),
-    ("tiny-qwen3-moe", "hf", "vllm:tp=8,ep=2"),
+    ("tiny-qwen3-moe", "hf", "sglang:tp=8,ep=2"),                       # SGLang: EP inside TP
+    ("tiny-qwen3-moe", "megatron:tp=2", "vllm:edp=3,ep=3"),               # 8 experts over 3 ranks: 3, 3, 2
 ]
 
 

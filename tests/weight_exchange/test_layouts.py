@@ -66,7 +66,8 @@ def test_transformers_fused_experts_to_vllm_tp_over_real_sockets(monkeypatch):
     ("tiny-qwen3", "vllm:tp=3", "num_attention_heads over tp: 4 is not divisible by 3"),
     ("tiny-qwen3", "vllm:tp=8", "num_attention_heads over tp: 4 is not divisible by 8"),
     ("tiny-llama-gqa9", "vllm:tp=6", "9 is not divisible by 6"),
-    ("tiny-qwen3-moe", "vllm:tp=4,ep=3", "ep: 3 does not divide tp 4"),
+    ("tiny-qwen3-moe", "sglang:tp=4,ep=3", "ep: 3 does not divide tp 4"),
+    ("tiny-qwen3-moe", "vllm:tp=4,ep=2", "ep: vLLM's expert parallelism spans every device"),
     ("tiny-qwen3-moe", "megatron:tp=2,ep=2", "ep 2 x etp 2 must divide tp 2 x dp 1"),
     ("tiny-qwen3", "megatron:pp=3", "num_layers over pp: 4 is not divisible by 3"),
     ("tiny-llama-gqa9", "vllm:tp=5", "not divisible by 5"),
@@ -86,7 +87,7 @@ def test_vocab_padding_must_split_over_tp():
 def test_parse_side_errors():
     with pytest.raises(ValueError, match="src: unknown framework 'deepspeed'"):
         parse_side("deepspeed:tp=2", "src")
-    with pytest.raises(ValueError, match="dst: vllm takes tp, ep, dp, not 'pp'"):
+    with pytest.raises(ValueError, match="dst: vllm takes tp, ep, dp, edp, .*not 'pp'"):
         parse_side("vllm:pp=2", "dst")
     with pytest.raises(ValueError, match="src: vllm cannot send"):
         side_layouts(model_spec("tiny-qwen3"), parse_side("vllm"), SENDER, "x")

@@ -17,12 +17,12 @@ from services.common.contracts import weight_exchange_pb2_grpc as wx_grpc
 from services.common.logging import get_logger
 from services.common.rpc import Servicer, channel, invalid_argument
 from services.weight_exchange.client import tickets
-from services.weight_exchange.client.layout import RECEIVER, SENDER, RankLayout, Shard
+from services.weight_exchange.client.layout import POST_LOAD_TRANSFORMED, RECEIVER, SENDER, RankLayout, Shard
 from services.weight_exchange.client.layouts.hf import dedupe_tied, hf_full_shards
 from services.weight_exchange.client.sink import pull_all
 from services.weight_exchange.client.source import SenderServer
 from services.weight_exchange.client.transfer import Transfer
-from services.weight_exchange.client.wire import TransferTimeout, TransportError
+from services.weight_exchange.client.wire import TransferTimeout, TransportError, torch_dtype
 
 log = get_logger()
 
@@ -181,6 +181,10 @@ class ReceiverAgent(_Registrant):
 
     `on_pause()` returns once generation is paused at a decode boundary; `on_resume(version)` rebuilds the
     KV cache and continues. A failed or timed-out update resumes at the old version.
+
+    `load_weights` (e.g. vLLM's `model.load_weights`): the engine rearranges its weights after loading in a private
+    format, so no raw bytes may be written into them. The layout is then registered as post-load transformed; each
+    update pulls whole checkpoint tensors into staging buffers and calls `load_weights([(canonical name, tensor)])`.
     """
 
     def __init__(self, rank_id: str, params: Mapping[str, torch.Tensor], wx_address: str, token: str = "", *,
@@ -188,7 +192,8 @@ class ReceiverAgent(_Registrant):
                  on_resume: Callable[[int], Awaitable[None]] | None = None,
                  shards: Sequence[Shard] | None = None, framework: str = "embedded",
                  parallel: Mapping[str, int] | None = None, host: str = "127.0.0.1", version: int = 0,
-                 tls: Tls | None = None) -> None:
+                 tls: Tls | None = None,
+                 load_weights: Callable[[list[tuple[str, torch.Tensor]]], Any] | None = None) -> None:
         self.rank_id = rank_id
         self.key = tickets.new_key()       # an Apply is taken only when signed with it by the coordinator
         self._seen_syncs: collections.OrderedDict[str, None] = collections.OrderedDict()  # no request twice
@@ -196,6 +201,9 @@ class ReceiverAgent(_Registrant):
         self.shards = list(shards) if shards is not None else hf_full_shards(self.params)
         self.framework = framework
         self.parallel = dict(parallel or {})
+        self._load_weights = load_weights
+        if load_weights is not None:
+            self.parallel[POST_LOAD_TRANSFORMED] = 1
         self.host = host
         self.version = version
         self.agent_address = ""
@@ -272,10 +280,16 @@ class ReceiverAgent(_Registrant):
                 log.warning("pause_failed", rank_id=self.rank_id, version=request.version, error=str(exc))
                 raise _ApplyFailed(grpc.StatusCode.UNAVAILABLE, f"{self.rank_id}: pause failed: {exc}") from exc
             try:
+                targets = self._targets(transfers)
                 result = await asyncio.to_thread(
-                    pull_all, self.rank_id, self.params, transfers, dict(request.sender_endpoints),
+                    pull_all, self.rank_id, targets, transfers, dict(request.sender_endpoints),
                     request.transport, request.timeout_seconds, verify=request.verify, version=request.version,
                     tickets=dict(request.sender_tickets), sync_id=request.sync_id)
+                if self._load_weights is not None:
+                    try:
+                        await asyncio.to_thread(self._load_weights, sorted(targets.items()))
+                    except Exception as exc:  # noqa: BLE001 - the engine's failure fails this update
+                        raise ValueError(f"load_weights: {type(exc).__name__}: {exc}") from exc
             except (ValueError, TransportError) as exc:
                 await self._resume(old)
                 log.warning("apply_failed", rank_id=self.rank_id, version=request.version, error=str(exc))
@@ -289,6 +303,20 @@ class ReceiverAgent(_Registrant):
             self.version = request.version
             await self._resume(request.version)
             return result
+
+    def _targets(self, transfers: Sequence[Transfer]) -> Mapping[str, torch.Tensor]:
+        """Where the transfers land: the live tensors, or (post-load transformed) fresh staging tensors of the
+        checkpoint tensors named by the transfers; a transfer naming anything else fails (no raw live writes)."""
+        if self._load_weights is None:
+            return self.params
+        staging = {s.canonical_name: s for s in self.layout().staging_shards()}
+        out = {}
+        for name in sorted({t.dst_local for t in transfers}):
+            if name not in staging:
+                raise ValueError(f"transfers.dst_local_name: {name!r} is not a checkpoint tensor of {self.rank_id} "
+                                 f"(post-load-transformed layout: only staging tensors are written)")
+            out[name] = torch.empty(staging[name].canonical_shape, dtype=torch_dtype(staging[name].dtype))
+        return out
 
     async def _resume(self, version: int) -> None:
         if self._on_resume is not None:

@@ -16,6 +16,11 @@ from services.weight_exchange.client.regions import Region
 ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "int16": 2,
             "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
 SENDER, RECEIVER = "sender", "receiver"
+# `parallel[POST_LOAD_TRANSFORMED] = 1`: the receiver's engine rearranges its weights after loading in a private
+# format (SGLang triton-kernels MoE, FlashInfer, AITER, CPU weight packing, Ascend private formats); raw bytes must
+# never be written into those tensors. The planner then sends whole checkpoint tensors into staging buffers named by
+# their canonical names, and the receiver feeds them to the engine's own `load_weights`.
+POST_LOAD_TRANSFORMED = "post_load_transformed"
 _ROLE_TO_PB = {SENDER: data_pb2.RANK_ROLE_SENDER, RECEIVER: data_pb2.RANK_ROLE_RECEIVER}
 _PB_TO_ROLE = {v: k for k, v in _ROLE_TO_PB.items()}
 
@@ -88,6 +93,19 @@ class RankLayout:
     @property
     def num_bytes(self) -> int:
         return sum(s.num_bytes for s in self.shards)
+
+    @property
+    def post_load_transformed(self) -> bool:
+        """Its live tensors are in a private post-load format: updates go through the engine's `load_weights`."""
+        return bool(self.parallel.get(POST_LOAD_TRANSFORMED, 0))
+
+    def staging_shards(self) -> list[Shard]:
+        """What a post-load-transformed receiver receives: every checkpoint tensor it holds any part of, whole, in a
+        staging tensor named by its canonical name (the input of the engine's `load_weights`)."""
+        seen: dict[str, tuple[tuple[int, ...], str]] = {}
+        for s in self.shards:
+            seen.setdefault(s.canonical_name, (s.canonical_shape, s.dtype))
+        return [full_shard(name, shape, dtype) for name, (shape, dtype) in sorted(seen.items())]
 
     def local_tensors(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """local name -> (shape, dtype)."""

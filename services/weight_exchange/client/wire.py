@@ -60,7 +60,11 @@ def set_deadline(sock: socket.socket, deadline: float) -> None:
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous tensor, without copying (writable)."""
+    """The bytes of a contiguous CPU tensor, without copying (writable), any dtype (bf16 included: the bytes are
+    taken as uint8). A device (GPU / NPU) tensor has no host bytes: move it through `host()` or a CPU staging
+    tensor and `copy_`, never `.numpy()`."""
+    if t.device.type != "cpu":
+        raise TypeError(f"byte_view: a {t.device.type} tensor has no host bytes; copy it through a CPU staging tensor")
     assert t.is_contiguous()
     if t.numel() == 0:
         return memoryview(b"")

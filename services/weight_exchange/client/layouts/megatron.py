@@ -2,8 +2,12 @@
 
 - `linear_qkv` rows: per query group `[q (np/ng heads); k; v]`, split contiguously over TP (a group may be
   cut when TP > ng); `linear_fc1` = `[gate_r; up_r]`; `linear_proj` / `linear_fc2` split on dim 1.
-- Vocab-parallel `word_embeddings` / `output_layer` padded to a multiple of `vocab_divisor * tp`.
-- Pipeline stages number their layers from 0; global layer = stage offset + local index.
+- Vocab-parallel `word_embeddings` / `output_layer` padded to a multiple of `vocab_divisor * tp`
+  (`make_vocab_size_divisible_by`, 128), or unpadded (`vocab_unpadded`: split evenly over tp, as Megatron-Bridge
+  exports; the vocabulary must divide by tp).
+- Pipeline stages number their layers from 0; global layer = stage offset + local index. Uneven stages: with
+  `num_layers_in_first_pipeline_stage` and / or `..._last_...` set, the remaining layers are divided evenly over
+  the remaining stages (`pipeline_stages`).
 - MoE experts: global expert = ep_rank * (E / ep) + i, expert TP `etp` splits like the dense MLP.
 - Norms: `input_layernorm` / `pre_mlp_layernorm` (local spec) or, with Transformer Engine, fused into
   `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight` (dense layers).
@@ -39,7 +43,8 @@ class MegatronParallel:
     etp_rank: int | None = None     # (default: tp_rank)
     dp: int = 1
     dp_rank: int = 0
-    vocab_divisor: int = 128        # make_vocab_size_divisible_by
+    vocab_divisor: int = 128        # make_vocab_size_divisible_by (padded to a multiple of it x tp)
+    vocab_unpadded: bool = False    # the vocabulary as is, split evenly over tp (Megatron-Bridge exports)
     te_fused_norms: bool = False    # Transformer Engine spec: norms live inside linear_qkv / linear_fc1
     grouped_experts: bool = False   # TEGroupedMLP names (linear_fc1.weight{i}) instead of local_experts.{i}
     layers_per_stage: tuple[int, ...] | None = None
@@ -49,6 +54,30 @@ class MegatronParallel:
                 "ep_size": self.ep, "ep_rank": self.ep_rank, "etp_size": self.etp or self.tp,
                 "etp_rank": self.tp_rank if self.etp_rank is None else self.etp_rank,
                 "dp_size": self.dp, "dp_rank": self.dp_rank}
+
+
+def pipeline_stages(num_layers: int, pp: int, first: int | None = None, last: int | None = None) -> tuple[int, ...]:
+    """Layers per pipeline stage by Megatron's rule: `first` / `last` (either may be None) take their stages, the
+    rest of the layers are divided evenly over the remaining stages; ValueError when they do not divide."""
+    if first is None and last is None:
+        _, size = even(num_layers, pp, 0, "num_layers over pp")
+        return (size,) * pp
+    rest, stages = num_layers, pp
+    for what, n in (("first", first), ("last", last)):
+        if n is not None:
+            if n < 0:
+                raise ValueError(f"{what}: must be >= 0, got {n}")
+            rest, stages = rest - n, stages - 1
+    if stages < 0 or rest < 0 or (stages == 0 and rest) or (stages and rest % stages):
+        raise ValueError(f"first / last: {num_layers} layers with first={first}, last={last} leave {rest} layers "
+                         f"that do not divide evenly over the {max(stages, 0)} other stages of pp={pp}")
+    middle = rest // stages if stages else 0
+    out = [middle] * pp
+    if first is not None:
+        out[0] = first
+    if last is not None:
+        out[-1] = last
+    return tuple(out)
 
 
 def stage_layers(spec: ModelSpec, par: MegatronParallel) -> range:
@@ -91,7 +120,9 @@ def megatron_shards(spec: ModelSpec, par: MegatronParallel, dtype: str | None = 
         raise ValueError(f"tp: {tp} is larger than num_key_value_heads {spec.num_kv_heads} and not a multiple of it")
     layers = stage_layers(spec, par)
     shards: list[Shard] = []
-    padded = pad_to(spec.vocab_size, par.vocab_divisor * tp)
+    if par.vocab_divisor < 1:
+        raise ValueError(f"vocab_divisor: must be >= 1, got {par.vocab_divisor}")
+    padded = spec.vocab_size if par.vocab_unpadded else pad_to(spec.vocab_size, par.vocab_divisor * tp)
     if par.pp_rank == 0:
         shards += vocab_shard("embedding.word_embeddings.weight", "model.embed_tokens.weight", spec.vocab_size, h,
                               padded, tp, r, dtype)
@@ -124,6 +155,8 @@ def _layer(spec: ModelSpec, par: MegatronParallel, layer: int, p: str, canon: di
     cols_start, cols = even(spec.num_heads * hd, tp, r, "linear_proj columns over tp")
     out.append(col_shard(p + "self_attention.linear_proj.weight", (h, cols), dtype, c + "self_attn.o_proj.weight",
                          (h, spec.num_heads * hd), cols_start, cols))
+    if spec.o_bias:   # RowParallelLinear bias: whole on every TP rank
+        out.append(replicated(p + "self_attention.linear_proj.bias", c + "self_attn.o_proj.bias", (h,), dtype))
     moe = spec.is_moe_layer(layer)
     ln2 = p + ("mlp.linear_fc1.layer_norm_weight" if par.te_fused_norms and not moe else "pre_mlp_layernorm.weight")
     out.append(replicated(ln2, c + "post_attention_layernorm.weight", (h,), dtype))

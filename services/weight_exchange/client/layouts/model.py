@@ -28,7 +28,8 @@ class ModelSpec:
     head_dim: int
     intermediate_size: int
     tie_word_embeddings: bool = False
-    qkv_bias: bool = False
+    qkv_bias: bool = False          # q/k/v_proj.bias (Qwen2 always; Llama / Qwen3 with attention_bias)
+    o_bias: bool = False            # o_proj.bias (Llama / Qwen3 / Qwen3-MoE with attention_bias; never Qwen2)
     qk_norm: bool = False
     num_experts: int = 0
     moe_intermediate_size: int = 0
@@ -54,6 +55,8 @@ class ModelSpec:
             out[p + "self_attn.k_proj.bias"] = (self.num_kv_heads * hd,)
             out[p + "self_attn.v_proj.bias"] = (self.num_kv_heads * hd,)
         out[p + "self_attn.o_proj.weight"] = (h, self.num_heads * hd)
+        if self.o_bias:
+            out[p + "self_attn.o_proj.bias"] = (h,)
         if self.qk_norm:
             out[p + "self_attn.q_norm.weight"] = (hd,)
             out[p + "self_attn.k_norm.weight"] = (hd,)
@@ -121,6 +124,7 @@ class ModelSpec:
             intermediate_size=int(config.get("intermediate_size", 0)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2" or bool(config.get("attention_bias", False)),
+            o_bias=arch != "qwen2" and bool(config.get("attention_bias", False)),   # Qwen2's o_proj has none
             qk_norm=arch in ("qwen3", "qwen3_moe"),
             num_experts=int(config.get("num_experts") or config.get("num_local_experts") or 0)
             if arch == "qwen3_moe" else 0,

@@ -1,8 +1,12 @@
 """A side of a transfer described as text (`megatron:tp=4,pp=2,ep=8`, `vllm:tp=4,dp=2`) and its ranks.
 
 Frameworks: hf (full model per rank), fsdp2 (dp dim-0 shards), embedded (full, inference), megatron
-(tp, pp, ep, etp, dp; `first` / `last`: layers in the first / last pipeline stage when uneven), vllm, sglang. Megatron global rank order is tp fastest, then dp, then pp; inside a pipeline stage the
-tp x dp ranks are regrouped as etp (fastest) x ep x expert-dp for the experts.
+(tp, pp, ep, etp, dp; `first` / `last`: layers in the first / last pipeline stage when uneven, Megatron's rule;
+`vocab_div`: make_vocab_size_divisible_by, 128; `unpadded=1`: the vocabulary unpadded), vllm / vllm_ascend
+(tp, dp: independent replicas, edp: the engine's own --data-parallel-size, ep: 1 or tp x edp, rr=1: round-robin
+expert placement, vocab_pad: 64, 1 = unpadded; eplb: refused), sglang (tp, ep inside tp, dp, vocab_pad; dpa: DP
+attention, refused). Megatron global rank order is tp fastest, then dp, then pp; inside a pipeline stage the
+tp x dp ranks are regrouped as etp (fastest) x ep x expert-dp for the experts. vLLM: tp fastest, then edp, then dp.
 """
 
 from __future__ import annotations
@@ -10,16 +14,18 @@ from __future__ import annotations
 import dataclasses
 
 from services.weight_exchange.client.layout import RECEIVER, SENDER, RankLayout, Shard
-from services.weight_exchange.client.layouts.common import even
 from services.weight_exchange.client.layouts.hf import fsdp2_shards, hf_shards
 from services.weight_exchange.client.layouts.inference import InferenceParallel, inference_shards
-from services.weight_exchange.client.layouts.megatron import MegatronParallel, megatron_shards
+from services.weight_exchange.client.layouts.megatron import MegatronParallel, megatron_shards, pipeline_stages
 from services.weight_exchange.client.layouts.model import ModelSpec
 
+_VLLM_KEYS = ("tp", "ep", "dp", "edp", "rr", "eplb", "vocab_pad")
 FRAMEWORKS = {"hf": ("dp",), "fsdp2": ("dp",), "embedded": ("dp",),
-              "megatron": ("tp", "pp", "ep", "etp", "dp", "first", "last"), "vllm": ("tp", "ep", "dp"), "sglang": ("tp", "ep", "dp")}
+              "megatron": ("tp", "pp", "ep", "etp", "dp", "first", "last", "vocab_div", "unpadded"),
+              "vllm": _VLLM_KEYS, "vllm_ascend": _VLLM_KEYS, "sglang": ("tp", "ep", "dp", "dpa", "vocab_pad")}
 SENDING = ("hf", "fsdp2", "megatron")
-RECEIVING = ("embedded", "hf", "vllm", "sglang", "megatron", "fsdp2")
+RECEIVING = ("embedded", "hf", "vllm", "vllm_ascend", "sglang", "megatron", "fsdp2")
+INFERENCE = ("vllm", "vllm_ascend", "sglang")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +44,8 @@ class Side:
     def world(self) -> int:
         if self.framework == "megatron":
             return self.get("tp") * self.get("pp") * self.get("dp")
-        if self.framework in ("vllm", "sglang"):
-            return self.get("tp") * self.get("dp")
+        if self.framework in INFERENCE:
+            return self.get("tp") * self.get("edp") * self.get("dp")
         return self.get("dp")
 
 
@@ -56,6 +62,12 @@ def parse_side(text: str, field: str = "side") -> Side:
         if not value.isdigit() or int(value) < 1:
             raise ValueError(f"{field}: {key} must be a positive integer, got {value!r}")
         sizes[key] = int(value)
+    if "eplb" in sizes:
+        raise ValueError(f"{field}: eplb: vLLM's EPLB (redundant experts moved between ranks at run time) is not "
+                         f"supported")
+    if sizes.get("dpa", 1) > 1:
+        raise ValueError(f"{field}: dpa: SGLang's DP attention (attention over tp / dp ranks, replicated embedding) "
+                         f"is not supported; use dp (independent replicas)")
     return Side(framework, sizes)
 
 
@@ -63,12 +75,7 @@ def megatron_parallel(side: Side, rank: int, num_layers: int = 0) -> MegatronPar
     tp, pp, dp, ep = side.get("tp"), side.get("pp"), side.get("dp"), side.get("ep")
     stages = None
     if "first" in side.sizes or "last" in side.sizes:
-        first, last = side.sizes.get("first", 0), side.sizes.get("last", 0)
-        middle = num_layers - first - last
-        if pp < 3 or middle <= 0 or middle % (pp - 2):
-            raise ValueError(f"side: {num_layers} layers with first={first}, last={last} do not split evenly over "
-                             f"the {pp - 2} middle stages")
-        stages = (first, *[middle // (pp - 2)] * (pp - 2), last)
+        stages = pipeline_stages(num_layers, pp, side.sizes.get("first"), side.sizes.get("last"))
     etp = side.get("etp") if "etp" in side.sizes else tp   # Megatron's default: expert TP = TP
     if (tp * dp) % (ep * etp):
         raise ValueError(f"side: ep {ep} x etp {etp} must divide tp {tp} x dp {dp} (Megatron's expert groups; "
@@ -76,7 +83,16 @@ def megatron_parallel(side: Side, rank: int, num_layers: int = 0) -> MegatronPar
     tp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
     k = tp_rank + tp * dp_rank
     return MegatronParallel(tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank, ep=ep, ep_rank=(k // etp) % ep,
-                            etp=etp, etp_rank=k % etp, dp=dp, dp_rank=dp_rank, layers_per_stage=stages)
+                            etp=etp, etp_rank=k % etp, dp=dp, dp_rank=dp_rank, layers_per_stage=stages,
+                            vocab_divisor=side.sizes.get("vocab_div", 128), vocab_unpadded="unpadded" in side.sizes)
+
+
+def inference_parallel(side: Side, rank: int) -> InferenceParallel:
+    tp, edp, dp = side.get("tp"), side.get("edp"), side.get("dp")
+    return InferenceParallel(tp=tp, tp_rank=rank % tp, ep=side.get("ep"), dp=dp, dp_rank=rank // (tp * edp),
+                             edp=edp, edp_rank=(rank // tp) % edp, engine=side.framework,
+                             vocab_padding=side.sizes.get("vocab_pad", 64),
+                             expert_placement="round_robin" if "rr" in side.sizes else "linear")
 
 
 def rank_shards(spec: ModelSpec, side: Side, rank: int, dtype: str | None = None) -> tuple[list[Shard], dict[str, int]]:
@@ -99,9 +115,7 @@ def rank_shards(spec: ModelSpec, side: Side, rank: int, dtype: str | None = None
     if fw == "megatron":
         par = megatron_parallel(side, rank, spec.num_layers)
         return megatron_shards(spec, par, dtype), par.as_dict()
-    tp, dp, ep = side.get("tp"), side.get("dp"), side.get("ep")
-    even(side.world, dp, rank // tp, "dp")
-    par = InferenceParallel(tp=tp, tp_rank=rank % tp, ep=ep, dp=dp, dp_rank=rank // tp, engine=fw)
+    par = inference_parallel(side, rank)
     return inference_shards(spec, par, dtype), par.as_dict()
 
 
@@ -125,8 +139,8 @@ def side_layouts(spec: ModelSpec, side: Side, role: str, prefix: str, dtype: str
 def _coordinates(side: Side, rank: int, num_layers: int) -> dict[str, int]:
     if side.framework == "megatron":
         return megatron_parallel(side, rank, num_layers).as_dict()
-    if side.framework in ("vllm", "sglang"):
-        return {"tp_rank": rank % side.get("tp"), "dp_rank": rank // side.get("tp")}
+    if side.framework in INFERENCE:
+        return inference_parallel(side, rank).as_dict()
     return {"dp_rank": rank}
 
 

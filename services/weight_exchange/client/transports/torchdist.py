@@ -54,6 +54,8 @@ class _TorchDist:
         send_frame(conn, {"ok": True, "store": f"{server.host}:{store.port}", "prefix": prefix})
         group = self.make_group(dist.PrefixStore(prefix, store), 0, conn.getsockname()[0], timeout)
         for tag, v in enumerate(views):
+            if v.device.type != self.device().type:   # e.g. a GPU parameter over gloo: through a host copy
+                v = v.to(self.device())
             group.send([_bytes(v if v.is_contiguous() else v.contiguous())], 1, tag).wait()
 
     def pull(self, conn: socket.socket, reply: dict[str, Any], link: Link) -> None:
@@ -70,7 +72,7 @@ class _TorchDist:
             left = link.deadline - time.monotonic()
             if left <= 0:
                 raise TransferTimeout("deadline passed")
-            if direct(item):
+            if direct(item) and item.dst.device.type == self.device().type:   # else via staging on the device
                 _wait(group.recv([_bytes(item.dst)], 0, tag), left)
                 continue
             if staging is None:

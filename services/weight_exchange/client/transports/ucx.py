@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.weight_exchange.client.transports.base import Link, direct, staged
-from services.weight_exchange.client.wire import TransferTimeout, TransportError, send_frame
+from services.weight_exchange.client.transports.base import Item, Link, direct, staged
+from services.weight_exchange.client.wire import TransferTimeout, TransportError, host, send_frame
 
 ID_BYTES = 32
 
@@ -54,8 +54,20 @@ class _Loop:
 
 
 def _array(t: torch.Tensor) -> Any:
+    """What ucxx sends from / receives into: a CUDA tensor itself, a CPU tensor's bytes (never a device tensor's
+    `.numpy()`: other devices go through a CPU staging tensor, see `_ucx_direct`)."""
     flat = t.reshape(-1).view(torch.uint8)
-    return flat if flat.is_cuda else flat.numpy()
+    if flat.is_cuda:
+        return flat
+    if flat.device.type != "cpu":
+        raise TypeError(f"ucx: a {flat.device.type} tensor goes through a CPU staging tensor")
+    return flat.numpy()   # a CPU uint8 view: numpy-able whatever the tensor's dtype (bf16 included)
+
+
+def _ucx_direct(item: Item) -> bool:
+    """ucxx can land the bytes in place: a contiguous same-dtype CPU or CUDA tensor."""
+    assert item.dst is not None
+    return direct(item) and item.dst.device.type in ("cpu", "cuda")
 
 
 class UcxTransport:
@@ -77,7 +89,7 @@ class UcxTransport:
             views, done, errors = entry
             try:
                 for v in views:
-                    await ep.send(_array(v if v.is_contiguous() else v.contiguous()))
+                    await ep.send(_array(v.contiguous() if v.device.type in ("cpu", "cuda") else host(v)))
                 # the receiver acknowledges everything, then waits for our goodbye before it closes: no side
                 # tears the endpoint down while a message is still in flight
                 await ep.recv(np.empty(1, dtype=np.uint8))
@@ -126,7 +138,7 @@ class UcxTransport:
                 for k, item in enumerate(link.items):
                     link.current = k
                     assert item.dst is not None
-                    if direct(item):
+                    if _ucx_direct(item):
                         await ep.recv(_array(item.dst))
                         continue
                     if staging is None:

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -17,6 +18,7 @@ from services.reward.sandbox.config import Limits
 STATUSES = ("ok", "timeout", "memory", "killed", "error")
 DRAIN_GRACE_S = 2.0  # after a kill, the pipes close as soon as the pid namespace is gone
 HOST_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin"}
+SETPRIV = shutil.which("setpriv", path=HOST_ENV["PATH"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +42,7 @@ def run(argv: list[str], stdin: bytes, uid: int | None, limits: Limits, memory_m
         timeout_s: float | None = None) -> Result:
     start = time.monotonic()
     deadline = start + (timeout_s or limits.timeout_s)
-    user = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
+    argv, user = _as_user(argv, uid)
     with tempfile.TemporaryFile() as stdin_file:
         stdin_file.write(stdin)
         stdin_file.seek(0)
@@ -61,6 +63,17 @@ def run(argv: list[str], stdin: bytes, uid: int | None, limits: Limits, memory_m
     out, err = (bytes(s).decode("utf-8", errors="replace") for s in streams)
     status, code = _classify(proc.returncode, timed_out, err, memory_markers)
     return Result(status, code, out, err, wall, truncated)
+
+
+def _as_user(argv: list[str], uid: int | None) -> tuple[list[str], dict]:
+    """Run `argv` as `uid` (group `uid`, no supplementary groups). Through util-linux's `setpriv` where it is
+    installed: Popen's own user= switch rules out vfork, so every run would copy the whole reward process
+    (~35 ms a spawn against ~10 ms)."""
+    if uid is None:
+        return argv, {}
+    if SETPRIV:
+        return [SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *argv], {}
+    return argv, {"user": uid, "group": uid, "extra_groups": []}
 
 
 def _collect(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[list[bytearray], bool, bool]:

@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from services.weight_exchange.client.layouts.model import model_spec
 from services.weight_exchange.client.layouts.megatron import stage_layers
+from services.weight_exchange.client.layouts.model import model_spec
 from services.weight_exchange.client.layouts.topology import megatron_parallel, parse_side, rank_shards
 from tests.ranks import run_module_ranks
 

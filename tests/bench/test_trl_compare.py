@@ -12,6 +12,7 @@ from bench import trl_job
 from bench.trl_compare import (
     RATIO_FIELDS,
     SYSTEM_FIELDS,
+    dynamic_sampling,
     export_rows,
     job_plan,
     meshrl_figures,
@@ -19,6 +20,7 @@ from bench.trl_compare import (
     tree_rss,
     trl_figures,
     trl_settings,
+    without_dynamic_sampling,
 )
 from services.builder.datasets import arithmetic, shuffled_epochs
 from services.reward.verifiers import build_verifier
@@ -109,13 +111,21 @@ def test_json_lines_carry_the_schema_and_the_ratio_is_time_per_sample():
     assert (meshrl["seconds_per_step"], meshrl["samples_per_second"], meshrl["generation_seconds"]) == (1.0, 512.0, 0.5)
     for line, system in ((meshrl, "meshrl"), (trl, "trl")):
         line.update(job="tiny", system=system, eval_accuracy_before=0.1, eval_accuracy_after=0.5,
-                    peak_rss_bytes=1, process_seconds=10.0, grad_ckpt=True)
+                    peak_rss_bytes=1, process_seconds=10.0, grad_ckpt=True, dynamic_sampling=False)
         assert set(SYSTEM_FIELDS) <= set(line)
     meshrl["eval_accuracy_after"] = 0.6
     ratio = ratio_line("tiny", meshrl, trl)
     assert set(RATIO_FIELDS) <= set(ratio)
     assert ratio["time_per_sample_ratio"] == 0.25 and ratio["eval_accuracy_difference"] == 0.1
     assert ratio["target_met"] is True
+
+
+def test_the_meshrl_variant_without_dynamic_sampling_turns_it_off_in_builder_and_trainer():
+    plan = job_plan("tiny", 3)
+    assert dynamic_sampling(plan)  # the tiny job's GRPO refills filtered groups
+    off = without_dynamic_sampling(plan)
+    assert not dynamic_sampling(off) and dynamic_sampling(plan), "the job's own plan is left as it was"
+    assert off["services"]["trainer"]["algo_overrides"]["dynamic_sampling"] is False
 
 
 def test_tree_rss_counts_this_process():

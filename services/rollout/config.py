@@ -7,6 +7,7 @@ import os
 
 from services.common.config import ServiceConfig
 from services.rollout.engines.torch_engine import EngineConfig
+from services.rollout.engines.vllm_engine import VLLMConfig
 from services.rollout.gateway.config import GatewayConfig
 
 
@@ -16,11 +17,35 @@ def default_rank_id() -> str:
     return f"rollout-{host}" if host else "rollout-0"
 
 
+ENGINE_KINDS = ("embedded", "vllm")
+
+
+@dataclasses.dataclass(kw_only=True)
+class RolloutEngineConfig(EngineConfig):
+    """The engine section: `kind` picks the engine; model_path, max_batch, max_context, dtype, seed and
+    initial_version apply to both (vLLM: --max-num-seqs, --max-model-len), device and torch_threads to the embedded
+    engine only."""
+
+    kind: str = "embedded"  # embedded (the torch engine in this process) | vllm (a vLLM server: section vllm)
+    vllm: VLLMConfig = dataclasses.field(default_factory=VLLMConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.kind not in ENGINE_KINDS:
+            raise ValueError(f"engine.kind: must be one of {', '.join(ENGINE_KINDS)}, got {self.kind!r}")
+
+    def build(self, run_dir: str = ""):
+        if self.kind == "vllm":
+            return self.vllm.build(model_path=self.model_path, max_batch=self.max_batch, max_context=self.max_context,
+                                   dtype=self.dtype, seed=self.seed, version=self.initial_version, run_dir=run_dir)
+        return super().build()
+
+
 @dataclasses.dataclass(kw_only=True)
 class RolloutConfig(ServiceConfig):
     grpc_address: str = "127.0.0.1:50051"
     rank_id: str = dataclasses.field(default_factory=default_rank_id)  # the weight exchange's name for this rank
-    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    engine: RolloutEngineConfig = dataclasses.field(default_factory=RolloutEngineConfig)
     concurrency: int = 64  # prompt-work messages generated at once
     wx_address: str = "127.0.0.1:50055"  # weight_exchange; empty: no weight updates
     catch_up_timeout: float = 120.0  # at start, wait this long for the trainer's weights before generating anyway

@@ -30,8 +30,9 @@ from services.common.logging import get_logger
 from services.common.rpc import Servicer, bound_address, invalid_argument, start_server
 from services.common.service import supervise
 from services.rollout.config import RolloutConfig
+from services.rollout.engines.base import Engine, engine_name, num_running, num_waiting
 from services.rollout.engines.sequence import Sampling
-from services.rollout.engines.torch_engine import MAX_SAMPLES, EmbeddedEngine
+from services.rollout.engines.torch_engine import MAX_SAMPLES
 from services.rollout.workflows.single_turn import sampling_from_proto, to_trajectories, validate_work
 
 TRAJECTORIES = prometheus_client.Counter("meshrl_rollout_trajectories_total", "Trajectories published")
@@ -42,7 +43,7 @@ VERSION = prometheus_client.Gauge("meshrl_rollout_policy_version", "Policy versi
 class Rollout:
     """State shared by the consumer loop and the gRPC handlers."""
 
-    def __init__(self, config: RolloutConfig, engine: EmbeddedEngine, bus: Bus) -> None:
+    def __init__(self, config: RolloutConfig, engine: Engine, bus: Bus) -> None:
         self.config = config
         self.engine = engine
         self.bus = bus
@@ -113,7 +114,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     async def Resume(self, request, context):
         if self._paused_by_rpc:
-            self.r.engine.resume()
+            await self.r.engine.resume_async()
             self.r.release("rpc")
             self._paused_by_rpc = False
         return common_pb2.Ack(ok=True, message="resumed")
@@ -121,10 +122,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def Status(self, request, context):
         e = self.r.engine
         return rollout_pb2.RolloutStatus(
-            policy_version=e.version, paused=self._paused_by_rpc or e.paused, running_sequences=len(e.scheduler.running),
-            waiting_sequences=e.scheduler.num_waiting, trajectories_published=self.r.published,
+            policy_version=e.version, paused=self._paused_by_rpc or e.paused, running_sequences=num_running(e),
+            waiting_sequences=num_waiting(e), trajectories_published=self.r.published,
             tokens_generated=e.stats.tokens_generated, weight_updates=e.stats.weight_updates,
-            interrupted_sequences=e.stats.interrupted_sequences, engine="embedded",
+            interrupted_sequences=e.stats.interrupted_sequences, engine=engine_name(e),
             dead_letters=self.r.dead_letters.counts)
 
 
@@ -138,8 +139,11 @@ def pin_cpus(service: str) -> None:
 
 async def serve(config: RolloutConfig, stop: asyncio.Event) -> None:
     pin_cpus("rollout")
-    engine = config.engine.build()
-    engine.start()
+    engine = build_engine(config)
+    if engine_name(engine) == "embedded":
+        engine.start()
+    else:  # a vLLM server takes minutes to start: the event loop stays free meanwhile
+        await asyncio.to_thread(engine.start)
     bus = await Bus.connect(config.nats_url, name=config.rank_id, replicas=config.nats_replicas,
                             **nats_credentials(config))
     rollout = Rollout(config, engine, bus)
@@ -163,7 +167,7 @@ async def serve(config: RolloutConfig, stop: asyncio.Event) -> None:
                                          name="wx-catch-up"))
     supervise(tasks, stop)
     await stop.wait()
-    rollout.log.info("stopping", running=len(engine.scheduler.running))
+    rollout.log.info("stopping", running=num_running(engine))
     rollout.pull_gate.set()
     await asyncio.wait(tasks, timeout=30)
     engine.stop()  # aborts what is left; those handlers nak their work
@@ -172,13 +176,20 @@ async def serve(config: RolloutConfig, stop: asyncio.Event) -> None:
     await bus.close()
 
 
+def build_engine(config: RolloutConfig) -> Engine:
+    """The engine that `engine.kind` names (a plain EngineConfig: the embedded engine)."""
+    if getattr(config.engine, "kind", "embedded") == "embedded":
+        return config.engine.build()
+    return config.engine.build(run_dir=config.run_dir)
+
+
 class PauseClock:
     """Phase times of the engine per weight update, one JSON line each in run_dir/rollout_metrics.jsonl (the run
     report puts them into metrics.jsonl and phases.png): how long the engine took to stand still after the pause
     request (its step in flight), how long it stood paused while the weights moved, and, since the previous
     update, how long it worked (model steps) and the tokens it generated."""
 
-    def __init__(self, engine: EmbeddedEngine, path: pathlib.Path) -> None:
+    def __init__(self, engine: Engine, path: pathlib.Path) -> None:
         self.engine = engine
         self.path = path
         self.requested = self.paused = self.last = time.monotonic()
@@ -208,7 +219,7 @@ class PauseClock:
                 f.write(json.dumps(line) + "\n")
 
 
-def _weight_receiver(config: RolloutConfig, engine: EmbeddedEngine):
+def _weight_receiver(config: RolloutConfig, engine: Engine):
     if not config.wx_address:
         return None
     from services.weight_exchange.client import ReceiverAgent
@@ -252,7 +263,7 @@ async def _wait_until(condition, stop: asyncio.Event, timeout: float) -> bool:
     return True
 
 
-async def _serve_gateway(config: RolloutConfig, engine: EmbeddedEngine, bus: Bus, stop: asyncio.Event) -> None:
+async def _serve_gateway(config: RolloutConfig, engine: Engine, bus: Bus, stop: asyncio.Event) -> None:
     """Agents' trajectories carry the reward they reported: they go straight to traj.scored. New agent groups
     are admitted under the staleness budget the builder announces on events.version."""
     from transformers import AutoTokenizer

@@ -1,0 +1,75 @@
+"""What the rollout service needs of an inference engine (the embedded torch engine and the vLLM engine both).
+
+An engine generates token-in / token-out: every output token comes with its log-prob (under softmax(logits / T)
+of the weights that sampled it, before top-k / top-p truncation) and the policy version of those weights.
+Generation is interruptible: `pause_async()` returns once no token is being produced; the caller may change the
+weights; `resume_async(version)` continues, every later token carrying `version` (the KV cache of the earlier
+tokens is recomputed under the new weights), while earlier tokens keep theirs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+from services.rollout.engines.sequence import Sampling, Sequence
+
+
+@runtime_checkable
+class Engine(Protocol):
+    version: int            # the policy version of the weights loaded now (tags every token generated from now on)
+    stats: Any              # EngineStats: tokens_generated, sequences_finished, weight_updates, busy_seconds, ...
+    vocab_size: int | None
+
+    @property
+    def paused(self) -> bool: ...
+
+    @property
+    def max_context(self) -> int: ...       # prompt + output tokens of one sequence, at most
+
+    # lifecycle
+    def start(self) -> None: ...
+    def stop(self) -> None: ...             # every unfinished sequence ends with finish_reason "abort"
+
+    # requests
+    def check(self, prompt_ids: list[int], sampling: Sampling, n: int = 1) -> None:
+        """ValueError naming the field when the request cannot run on this engine (nothing admitted)."""
+
+    def submit(self, prompt_ids: list[int], sampling: Sampling, on_finish: Callable[[Sequence], None] | None, *,
+               priority: bool = False) -> Sequence:
+        """Admit one sequence; `on_finish(seq)` fires once when it ends (any thread). `seq.output_ids`,
+        `seq.logprobs` and `seq.versions` grow as tokens arrive."""
+
+    def abort(self, seq: Sequence) -> None:
+        """Stop generating `seq`; its callback fires once, with finish_reason "abort" (unless it had finished)."""
+
+    async def generate(self, prompt_ids: list[int], sampling: Sampling, n: int = 1) -> list[Sequence]: ...
+
+    # interruption (weight updates)
+    async def pause_async(self, timeout: float = 60.0) -> None: ...
+    async def resume_async(self, version: int | None = None) -> None: ...
+
+    # where a weight update writes to
+    def named_parameters(self) -> Mapping[str, Any]:
+        """Tensors under their Hugging Face names that the weight exchange's receiver writes into in place; the
+        new weights take effect at `resume_async(version)`."""
+
+
+# counts for the Status RPC: an engine may have `num_running()` / `num_waiting()` (the vLLM engine); the embedded
+# engine's scheduler tells them otherwise
+
+def num_running(engine: Any) -> int:
+    """Sequences being generated now."""
+    fn = getattr(engine, "num_running", None)
+    return fn() if fn is not None else len(engine.scheduler.running)
+
+
+def num_waiting(engine: Any) -> int:
+    """Sequences admitted but not being generated (queued, or cut by a pause and waiting for the resume)."""
+    fn = getattr(engine, "num_waiting", None)
+    return fn() if fn is not None else engine.scheduler.num_waiting
+
+
+def engine_name(engine: Any) -> str:
+    """"embedded" or "vllm" (the Status RPC's `engine`)."""
+    return getattr(engine, "kind", "embedded")

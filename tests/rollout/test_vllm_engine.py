@@ -1,0 +1,193 @@
+"""The vLLM engine against a real vLLM server (CPU build from .venv-vllm, SmolLM2-135M-Instruct, float32).
+
+One server per module (started by the engine, ~2-5 min on a loaded 2-core machine), always killed at the end.
+MESHRL_TEST_VLLM_URL attaches to a running server instead (started with VLLM_SERVER_DEV_MODE=1,
+--enable-scale-out, --dtype float32 and the worker extension; the tests reload the checkpoint into it first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pathlib
+import time
+
+import pytest
+import torch
+
+from services.rollout.engines.sequence import Sampling, Status
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+VENV_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+MODEL = ROOT / "artifacts" / "models" / "smollm2-135m-instruct"
+LAYER = "model.layers.3.mlp.down_proj.weight"   # the weight the updates change
+PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 2, 198, 1, 4093, 198, 1780, 314, 216, 33, 31, 1232,
+          216, 34, 39, 47, 2, 198, 1, 520, 9531, 198]
+
+pytestmark = [
+    pytest.mark.vllm, pytest.mark.slow,
+    pytest.mark.skipif(not VENV_PYTHON.exists() and not os.environ.get("MESHRL_TEST_VLLM_URL"),
+                       reason=".venv-vllm is absent (build it: bash scripts/vllm_venv.sh)"),
+    pytest.mark.skipif(not (MODEL / "model.safetensors").exists(),
+                       reason="artifacts/models/smollm2-135m-instruct is absent (scripts/convert_smollm2.py)"),
+]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from services.rollout.engines.vllm_engine import VLLMConfig
+
+    url = os.environ.get("MESHRL_TEST_VLLM_URL", "")
+    config = VLLMConfig(url=url, startup_timeout=600.0, request_timeout=300.0)
+    e = config.build(model_path=str(MODEL), max_batch=8, max_context=1024, dtype="float32", seed=0)
+    started = time.monotonic()
+    try:
+        e.start()
+        print(f"vLLM server ready after {time.monotonic() - started:.1f} s")
+        if url:  # a server of an earlier run may hold other weights: load the checkpoint (the stage starts as it)
+            asyncio.run(_update(e, e.version + 1))
+        yield e
+    finally:
+        e.stop()
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(MODEL), dtype=torch.float32).eval()
+
+
+async def _update(engine, version: int, change=None) -> None:
+    await engine.pause_async()
+    try:
+        if change is not None:
+            with torch.no_grad():
+                change(engine.named_parameters())
+    finally:
+        await engine.resume_async(version)
+
+
+def _hf_logprobs(model, prompt: list[int], output: list[int]) -> list[float]:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0].float()
+    lp = torch.log_softmax(logits, -1)
+    return [lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(output)]
+
+
+def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens (past EOS too: compare a prefix)."""
+    out: list[int] = []
+    with torch.no_grad():
+        step = model(torch.tensor([prompt]), use_cache=True)
+        for _ in range(n):
+            out.append(int(step.logits[0, -1].argmax()))
+            step = model(torch.tensor([[out[-1]]]), past_key_values=step.past_key_values, use_cache=True)
+    return out
+
+
+async def test_logprobs_match_a_fresh_hf_forward(engine, hf_model):
+    seqs = await engine.generate(PROMPT, Sampling(temperature=1.0, max_new_tokens=24), n=2)
+    for s in seqs:
+        assert s.finish_reason in ("stop", "length") and s.output_ids
+        assert len(s.logprobs) == len(s.output_ids) == len(s.versions)
+        assert set(s.versions) == {engine.version}
+        ref = _hf_logprobs(hf_model, PROMPT, s.output_ids)
+        diff = max(abs(a - b) for a, b in zip(ref, s.logprobs, strict=True))
+        assert diff < 1e-3, (diff, s.logprobs, ref)
+
+
+async def test_greedy_matches_hf_and_checks_requests(engine, hf_model):
+    seq = (await engine.generate(PROMPT, Sampling(temperature=0.0, max_new_tokens=12)))[0]
+    assert seq.output_ids == _hf_greedy(hf_model, PROMPT, 12)[:len(seq.output_ids)]
+    with pytest.raises(ValueError, match="prompt_ids"):
+        engine.check([49152], Sampling())
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.check(PROMPT, Sampling(max_new_tokens=4096))
+
+
+async def test_abort_stops_a_sequence(engine):
+    finished = []
+    seq = engine.submit(PROMPT, Sampling(temperature=1.0, max_new_tokens=1000, stop_token_ids=()), finished.append)
+    deadline = time.monotonic() + 120
+    while len(seq.output_ids) < 3 and seq.status is not Status.FINISHED and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert len(seq.output_ids) >= 3 or seq.status is Status.FINISHED
+    engine.abort(seq)
+    if finished and finished[0].finish_reason != "abort":
+        pytest.skip("the sequence ended (EOS) before the abort")
+    assert seq.finish_reason == "abort" and seq.status is Status.FINISHED
+    ids = list(seq.output_ids)
+    await asyncio.sleep(1.0)
+    assert seq.output_ids == ids and len(seq.logprobs) == len(ids) == len(seq.versions)
+    assert finished == [seq]
+    engine.abort(seq)  # a second abort does nothing
+    assert finished == [seq]
+    # the engine still serves
+    again = await engine.generate(PROMPT, Sampling(temperature=0.0, max_new_tokens=4))
+    assert again[0].finish_reason in ("stop", "length")
+
+
+async def test_in_place_update_equals_hf_greedy_from_the_new_weights(engine, hf_model):
+    base = engine.version
+    original = engine.named_parameters()[LAYER].clone()
+    await _update(engine, base + 1, lambda p: p[LAYER].mul_(-3.0))
+    try:
+        seq = (await engine.generate(PROMPT, Sampling(temperature=0.0, max_new_tokens=16)))[0]
+        assert set(seq.versions) == {base + 1}
+        changed = dict(hf_model.named_parameters())[LAYER]
+        with torch.no_grad():
+            changed.mul_(-3.0)
+        try:
+            expected = _hf_greedy(hf_model, PROMPT, 16)
+            assert seq.output_ids == expected[:len(seq.output_ids)]
+            ref = _hf_logprobs(hf_model, PROMPT, seq.output_ids)
+            assert max(abs(a - b) for a, b in zip(ref, seq.logprobs, strict=True)) < 1e-3
+        finally:
+            with torch.no_grad():
+                changed.copy_(original)
+    finally:
+        await _update(engine, base + 2, lambda p: p[LAYER].copy_(original))
+    seq = (await engine.generate(PROMPT, Sampling(temperature=0.0, max_new_tokens=12)))[0]
+    assert seq.output_ids == _hf_greedy(hf_model, PROMPT, 12)[:len(seq.output_ids)]  # the original weights are back
+    assert engine.stats.weight_updates >= 2
+
+
+async def test_versions_across_an_interrupting_update(engine, hf_model):
+    base = engine.version
+    original = engine.named_parameters()[LAYER].clone()
+    sampling = Sampling(temperature=0.0, max_new_tokens=48)
+    seqs = [engine.submit(PROMPT, sampling, None), engine.submit(PROMPT[:20], sampling, None)]
+    deadline = time.monotonic() + 120
+    while min(len(s.output_ids) for s in seqs) < 4 and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    interrupted_before = engine.stats.interrupted_sequences
+    await _update(engine, base + 1, lambda p: p[LAYER].mul_(-3.0))
+    try:
+        deadline = time.monotonic() + 300
+        while any(s.status is not Status.FINISHED for s in seqs) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        changed = dict(hf_model.named_parameters())[LAYER]
+        with torch.no_grad():
+            changed.mul_(-3.0)
+        try:
+            for seq, prompt in zip(seqs, (PROMPT, PROMPT[:20]), strict=True):
+                assert seq.status is Status.FINISHED and seq.finish_reason in ("stop", "length")
+                assert len(seq.output_ids) == len(seq.logprobs) == len(seq.versions)
+                k = seq.versions.count(base)
+                assert k >= 4 and seq.versions == [base] * k + [base + 1] * (len(seq.versions) - k), seq.versions
+                if k < len(seq.output_ids):
+                    # the tokens after the resume are the new weights' greedy continuation of prompt + old tokens,
+                    # with the new weights' log-probs (their KV cache recomputed)
+                    head = prompt + seq.output_ids[:k]
+                    tail = seq.output_ids[k:]
+                    expected = _hf_greedy(hf_model, head, len(tail))
+                    assert tail == expected[:len(tail)]
+                    ref = _hf_logprobs(hf_model, head, tail)
+                    assert max(abs(a - b) for a, b in zip(ref, seq.logprobs[k:], strict=True)) < 1e-3
+        finally:
+            with torch.no_grad():
+                changed.copy_(original)
+    finally:
+        await _update(engine, base + 2, lambda p: p[LAYER].copy_(original))
+    assert engine.stats.interrupted_sequences > interrupted_before

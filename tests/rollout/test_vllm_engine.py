@@ -24,17 +24,72 @@ LAYER = "model.layers.3.mlp.down_proj.weight"   # the weight the updates change
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 2, 198, 1, 4093, 198, 1780, 314, 216, 33, 31, 1232,
           216, 34, 39, 47, 2, 198, 1, 520, 9531, 198]
 
-pytestmark = [
-    pytest.mark.vllm, pytest.mark.slow,
-    pytest.mark.skipif(not VENV_PYTHON.exists() and not os.environ.get("MESHRL_TEST_VLLM_URL"),
-                       reason=".venv-vllm is absent (build it: bash scripts/vllm_venv.sh)"),
-    pytest.mark.skipif(not (MODEL / "model.safetensors").exists(),
-                       reason="artifacts/models/smollm2-135m-instruct is absent (scripts/convert_smollm2.py)"),
-]
+_NO_VLLM = not VENV_PYTHON.exists() and not os.environ.get("MESHRL_TEST_VLLM_URL")
+_NO_MODEL = not (MODEL / "model.safetensors").exists()
+
+
+def server_test(fn):
+    """A test against the module's vLLM server: marked vllm + slow, skipped only without .venv-vllm (or the model)."""
+    for mark in (pytest.mark.vllm, pytest.mark.slow,
+                 pytest.mark.skipif(_NO_VLLM, reason=".venv-vllm is absent (build it: bash scripts/vllm_venv.sh)"),
+                 pytest.mark.skipif(_NO_MODEL, reason="artifacts/models/smollm2-135m-instruct is absent "
+                                    "(scripts/convert_smollm2.py)")):
+        fn = mark(fn)
+    return fn
+
+
+# configuration and the stage: no server ----------------------------------------------------------------------------
+
+def test_engine_kind_and_vllm_settings_are_checked():
+    from services.common.config import ConfigError, load_config
+    from services.rollout.config import RolloutConfig, RolloutEngineConfig
+    from services.rollout.engines.vllm_engine import VLLMConfig
+
+    config = load_config(RolloutConfig, "rollout", env={}, overrides={
+        "engine": {"kind": "vllm", "vllm": {"url": "http://127.0.0.1:8000", "kv_cache_gib": 2}}})
+    assert config.engine.kind == "vllm" and config.engine.vllm.kv_cache_gib == 2
+    assert load_config(RolloutConfig, "rollout", env={}).engine.kind == "embedded"  # the default
+    with pytest.raises(ConfigError, match="engine.kind"):
+        load_config(RolloutConfig, "rollout", env={}, overrides={"engine": {"kind": "sglang"}})
+    for bad, field in (({"url": "localhost:8000"}, "vllm.url"), ({"logprobs_mode": "raw_logits"}, "vllm.logprobs_mode"),
+                       ({"startup_timeout": 0}, "vllm.startup_timeout"), ({"kv_cache_gib": 0}, "vllm.kv_cache_gib"),
+                       ({"port": 70000}, "vllm.port")):
+        with pytest.raises(ValueError, match=field):
+            VLLMConfig(**bad)
+    with pytest.raises(ValueError, match="engine.model_path"):
+        RolloutEngineConfig(kind="vllm", model_path="/nonexistent").build()
+
+
+@pytest.mark.skipif(_NO_MODEL, reason="artifacts/models/smollm2-135m-instruct is absent")
+def test_stage_holds_the_checkpoint_and_leaves_nothing_behind():
+    import json
+
+    from safetensors.torch import load_file
+
+    from services.rollout.engines.vllm_engine import Stage
+    from services.rollout.engines.vllm_worker import stage_views
+
+    stage = Stage(str(MODEL), torch.float32, "/dev/shm")
+    try:
+        manifest = json.loads(stage.manifest())
+        assert manifest["path"].startswith("/proc/") and not stage.path.exists()  # unlinked, open by fd
+        checkpoint = load_file(str(MODEL / "model.safetensors"))
+        assert set(stage.tensors) == set(checkpoint) - {"lm_head.weight"}  # tied: written through embed_tokens
+        assert torch.equal(stage.tensors[LAYER], checkpoint[LAYER].float())
+        views = dict(stage_views(manifest))  # what vLLM's worker maps: the same memory
+        stage.tensors[LAYER][0, 0] = 123.0
+        assert views[LAYER][0, 0].item() == 123.0 and views.keys() == stage.tensors.keys()
+    finally:
+        stage.close()
+
+
+# against a real server ------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def engine():
+    if _NO_VLLM or _NO_MODEL:
+        pytest.skip(".venv-vllm or the model is absent")
     from services.rollout.engines.vllm_engine import VLLMConfig
 
     url = os.environ.get("MESHRL_TEST_VLLM_URL", "")
@@ -86,6 +141,7 @@ def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     return out
 
 
+@server_test
 async def test_logprobs_match_a_fresh_hf_forward(engine, hf_model):
     seqs = await engine.generate(PROMPT, Sampling(temperature=1.0, max_new_tokens=24), n=2)
     for s in seqs:
@@ -97,6 +153,7 @@ async def test_logprobs_match_a_fresh_hf_forward(engine, hf_model):
         assert diff < 1e-3, (diff, s.logprobs, ref)
 
 
+@server_test
 async def test_greedy_matches_hf_and_checks_requests(engine, hf_model):
     seq = (await engine.generate(PROMPT, Sampling(temperature=0.0, max_new_tokens=12)))[0]
     assert seq.output_ids == _hf_greedy(hf_model, PROMPT, 12)[:len(seq.output_ids)]
@@ -106,6 +163,7 @@ async def test_greedy_matches_hf_and_checks_requests(engine, hf_model):
         engine.check(PROMPT, Sampling(max_new_tokens=4096))
 
 
+@server_test
 async def test_abort_stops_a_sequence(engine):
     finished = []
     seq = engine.submit(PROMPT, Sampling(temperature=1.0, max_new_tokens=1000, stop_token_ids=()), finished.append)
@@ -128,6 +186,7 @@ async def test_abort_stops_a_sequence(engine):
     assert again[0].finish_reason in ("stop", "length")
 
 
+@server_test
 async def test_in_place_update_equals_hf_greedy_from_the_new_weights(engine, hf_model):
     base = engine.version
     original = engine.named_parameters()[LAYER].clone()
@@ -153,6 +212,7 @@ async def test_in_place_update_equals_hf_greedy_from_the_new_weights(engine, hf_
     assert engine.stats.weight_updates >= 2
 
 
+@server_test
 async def test_versions_across_an_interrupting_update(engine, hf_model):
     base = engine.version
     original = engine.named_parameters()[LAYER].clone()

@@ -146,7 +146,8 @@ class VLLMStats:
 
 
 class Stage:
-    """The model's tensors under their Hugging Face names in one /dev/shm file, which vLLM's worker maps too."""
+    """The model's tensors under their Hugging Face names in one /dev/shm file, which vLLM's worker maps too (same
+    host: it opens the file as /proc/<this pid>/fd/<fd>)."""
 
     def __init__(self, model_path: str, dtype: torch.dtype, directory: str) -> None:
         from safetensors import safe_open
@@ -175,6 +176,11 @@ class Stage:
         with open(self.path, "wb") as fh:
             fh.truncate(self.size)
         buf = torch.from_file(str(self.path), shared=True, size=self.size, dtype=torch.uint8)
+        # unlinked at once, kept open: the worker opens it through /proc/<pid>/fd, and nothing is left in /dev/shm
+        # when this process dies, however it dies
+        self._fd = os.open(self.path, os.O_RDWR)
+        self.path.unlink()
+        self.shared_path = f"/proc/{os.getpid()}/fd/{self._fd}"
         self.tensors: dict[str, torch.Tensor] = {}
         for name, shape, off in self.layout:
             n = math.prod(shape) * itemsize
@@ -189,13 +195,15 @@ class Stage:
 
     def manifest(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
-        return json.dumps({"path": str(self.path), "size": self.size,
+        return json.dumps({"path": self.shared_path, "size": self.size,
                            "tensors": [[n, dtype, list(s), o] for n, s, o in self.layout]})
 
     def close(self) -> None:
         self.tensors = {}
-        with contextlib.suppress(OSError):
-            self.path.unlink()
+        if self._fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = -1
 
 
 class VLLMEngine:
@@ -280,7 +288,8 @@ class VLLMEngine:
         self.url = f"http://{c.host}:{port}"
         self.log.info("vllm_starting", url=self.url, log=self.log_path, command=shlex.join(args))
         self.process = subprocess.Popen(args, cwd=str(ROOT), env=env, stdout=self._log_handle,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+                                        stderr=subprocess.STDOUT, start_new_session=True,
+                                        preexec_fn=_die_with_parent)
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.config.startup_timeout
@@ -449,26 +458,37 @@ class VLLMEngine:
         """Undo one pause; with a new `version`, vLLM loads the stage first and later tokens carry `version`."""
         self._bind_loop()
         async with self._control:
+            failure: BaseException | None = None
             if version is not None and version != self.version:
-                if self.stage is None:
-                    raise RuntimeError("engine.vllm.weight_updates is off: cannot load version "
-                                       f"{version}")
-                started = time.monotonic()
-                reply = await self._post("/collective_rpc", json_body={
-                    "method": "meshrl_load_staged", "args": [self.stage.manifest()],
-                    "timeout": self.config.control_timeout}, timeout=self.config.control_timeout)
-                self.stats.weight_load_seconds += time.monotonic() - started
-                self.stats.weight_updates += 1
-                self.stats.interrupted_sequences += sum(live.interrupted for live in self._live.values())
-                self.log.info("vllm_weights_loaded", version=version, result=(reply or {}).get("results"),
-                              seconds=round(time.monotonic() - started, 3))
-                self.version = version
+                try:
+                    await self._load_stage(version)
+                except Exception as exc:  # noqa: BLE001 - resumed at the old version, then raised
+                    self.log.warning("vllm_weight_load_failed", version=version, kept=self.version,
+                                     error=f"{type(exc).__name__}: {exc}")
+                    failure = exc
             self._pause_requests = max(0, self._pause_requests - 1)
-            if self._pause_requests or not self._paused:
-                return
-            await self._post("/resume", timeout=self.config.control_timeout)
-            self._paused = False
-            self._gate.set()
+            if not self._pause_requests and self._paused:
+                await self._post("/resume", timeout=self.config.control_timeout)
+                self._paused = False
+                self._gate.set()
+            if failure is not None:
+                raise failure
+
+    async def _load_stage(self, version: int) -> None:
+        if self.stage is None:
+            raise RuntimeError(f"engine.vllm.weight_updates is off: cannot load version {version}")
+        if not self._paused:
+            raise RuntimeError(f"load version {version}: the engine is not paused")
+        started = time.monotonic()
+        reply = await self._post("/collective_rpc", json_body={
+            "method": "meshrl_load_staged", "args": [self.stage.manifest()],
+            "timeout": self.config.control_timeout}, timeout=self.config.control_timeout)
+        self.stats.weight_load_seconds += time.monotonic() - started
+        self.stats.weight_updates += 1
+        self.stats.interrupted_sequences += sum(live.interrupted for live in self._live.values())
+        self.log.info("vllm_weights_loaded", version=version, result=(reply or {}).get("results"),
+                      seconds=round(time.monotonic() - started, 3))
+        self.version = version
 
     def pause(self, timeout: float = 60.0) -> None:
         """Blocking pause from another thread than the engine's event loop."""
@@ -642,6 +662,15 @@ def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
 def _get(url: str, timeout: float) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - the engine's own server
         return response.read().decode()
+
+
+def _die_with_parent() -> None:
+    """In the server's process before exec: SIGTERM when the rollout process dies (even by SIGKILL), so no server
+    outlives it (Linux; elsewhere a no-op)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _free_port(host: str) -> int:

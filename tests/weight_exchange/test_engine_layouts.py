@@ -101,6 +101,8 @@ def test_vllm_in_engine_dp_shards_experts_over_dp_times_tp():
     assert [held_experts("vllm:tp=2,edp=2,ep=4,dp=2", r) for r in (4, 7)] == [[0, 1], [6, 7]]
     with pytest.raises(ValueError, match="ep: .*ep = tp x edp = 2 x 2 = 4"):
         side_layouts(MOE, parse_side("vllm:tp=2,edp=2,ep=2"), RECEIVER, "x")
+    with pytest.raises(ValueError, match="ep: .*ep = tp x edp = 1 x 1 = 1"):
+        side_layouts(MOE, parse_side("vllm:ep=2"), RECEIVER, "x")
 
 
 def test_vllm_uneven_and_round_robin_expert_placement():

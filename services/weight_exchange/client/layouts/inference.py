@@ -121,13 +121,13 @@ def moe_partition(spec: ModelSpec, par: InferenceParallel) -> MoePartition:
         devices, moe_rank = par.tp * par.edp, par.edp_rank * par.tp + par.tp_rank
         if par.ep == 1 and par.expert_placement != "linear":
             raise ValueError("expert_placement: applies only with expert parallelism (ep = tp x edp)")
-        if par.ep == 1 or devices == 1:
-            experts = par.expert_ids or tuple(range(spec.num_experts))
-            return MoePartition(devices, moe_rank, experts)
-        if par.ep != devices:
+        if par.ep not in (1, devices):
             raise ValueError(f"ep: vLLM's expert parallelism spans every device of the engine (ep = tp x edp = "
                              f"{par.tp} x {par.edp} = {devices}, MoE tp = 1) or is off (ep = 1); ep={par.ep} "
                              f"inside tp={par.tp} is SGLang's layout (use sglang)")
+        if par.ep == 1 or devices == 1:
+            experts = par.expert_ids or tuple(range(spec.num_experts))
+            return MoePartition(devices, moe_rank, experts)
         experts = par.expert_ids or expert_ids(spec.num_experts, devices, moe_rank, par.expert_placement)
         return MoePartition(1, 0, experts)
     # SGLang

@@ -123,6 +123,8 @@ def test_eplb_and_sglang_dp_attention_are_refused_clearly():
         parse_side("vllm:tp=2,eplb=1", "dst")
     with pytest.raises(ValueError, match="eplb: vLLM's EPLB .*redundant_experts"):
         inference_shards(MOE, InferenceParallel(tp=2, ep=2, redundant_experts=2))
+    with pytest.raises(ValueError, match="eplb: SGLang's EPLB .* not supported"):
+        inference_shards(MOE, InferenceParallel(tp=4, ep=2, engine="sglang", redundant_experts=2))
     with pytest.raises(ValueError, match="dst: dpa: SGLang's DP attention .* not supported"):
         parse_side("sglang:tp=4,dpa=2", "dst")
     with pytest.raises(ValueError, match="dp_attention: SGLang's DP attention"):

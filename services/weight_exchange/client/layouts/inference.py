@@ -15,7 +15,7 @@
     ids ep_rank, ep_rank + ep, ...). Any other ep (e.g. ep=2 inside tp=4) is refused. EPLB (redundant experts,
     placement that moves at run time) is refused.
   * SGLang: EP inside the TP group, moe_tp = tp / ep, ep_rank = tp_rank // moe_tp; E divisible by ep. DP
-    attention (attention over tp / dp ranks, replicated embedding) is refused.
+    attention (attention over tp / dp ranks, replicated embedding) and EPLB are refused.
 - vLLM-Ascend transposes the fused experts after loading (`w13_weight` [E_local, H, 2I/moe_tp], `w2_weight`
   [E_local, I/moe_tp, H]). Its layout declares the pre-transpose (logical) shapes; the receiver passes
   `receiver_views(engine, params)` (transposed views sharing the live storage) as its tensors, so every byte lands
@@ -131,8 +131,11 @@ def moe_partition(spec: ModelSpec, par: InferenceParallel) -> MoePartition:
         experts = par.expert_ids or expert_ids(spec.num_experts, devices, moe_rank, par.expert_placement)
         return MoePartition(1, 0, experts)
     # SGLang
-    if par.edp != 1 or par.expert_placement != "linear" or par.eplb or par.redundant_experts:
-        raise ValueError("edp / expert_placement / eplb: are vLLM's options; SGLang puts EP inside the TP group")
+    if par.eplb or par.redundant_experts:
+        raise ValueError("eplb: SGLang's EPLB (--enable-eplb / --ep-num-redundant-experts) is not supported: "
+                         "physical experts are replicated and moved between ranks at run time")
+    if par.edp != 1 or par.expert_placement != "linear":
+        raise ValueError("edp / expert_placement: are vLLM's options; SGLang puts EP inside the TP group")
     if par.dp_attention != 1:
         raise ValueError(f"dp_attention: SGLang's DP attention (--enable-dp-attention, dp={par.dp_attention}: "
                          f"attention over tp / dp ranks, replicated embedding) is not supported; use dp (independent "

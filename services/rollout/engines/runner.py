@@ -1,5 +1,10 @@
 """Runs a Hugging Face causal LM over the scheduler's steps: a full prefill, or a decode of the kept rows plus a
-prefill of the admitted ones merged into the same left-padded KV cache."""
+prefill of the admitted ones merged into the same left-padded KV cache.
+
+The KV cache's layers keep spare columns on the right (`SlackLayer`): a decode step writes its token into them
+instead of copying the whole cache into a new tensor (DynamicLayer's torch.cat), which cost O(context) per layer
+and step; the buffer is reallocated (with room to grow) only when it is full or the rows changed.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,43 @@ from transformers.cache_utils import DynamicLayer
 from services.rollout.engines.sampler import sample
 from services.rollout.engines.scheduler import Step
 from services.rollout.engines.sequence import Sequence
+
+
+SLACK = 64  # spare KV columns allocated beyond what a layer holds (and at least half its length)
+
+
+class SlackLayer(DynamicLayer):
+    """A DynamicLayer whose keys / values are views of larger buffers: appending writes in place. Anything that
+    replaces `keys` / `values` (row selection, trimming, merging) is fine: the next update sees they are no longer
+    a prefix of the buffers and copies them into new ones."""
+
+    _kbuf: torch.Tensor | None = None
+    _vbuf: torch.Tensor | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized or self.keys is None or self.keys.numel() == 0:
+            return super().update(key_states, value_states, *args, **kwargs)
+        t, n = self.keys.shape[-2], key_states.shape[-2]
+        if not (_prefix_of(self.keys, self._kbuf) and _prefix_of(self.values, self._vbuf)
+                and t + n <= self._kbuf.shape[-2]):
+            self._kbuf = _grow(self.keys, t + n)
+            self._vbuf = _grow(self.values, t + n)
+        self._kbuf[:, :, t:t + n].copy_(key_states)
+        self._vbuf[:, :, t:t + n].copy_(value_states)
+        self.keys, self.values = self._kbuf[:, :, :t + n], self._vbuf[:, :, :t + n]
+        return self.keys, self.values
+
+
+def _prefix_of(view: torch.Tensor, buf: torch.Tensor | None) -> bool:
+    return (buf is not None and view.data_ptr() == buf.data_ptr() and view.shape[:2] == buf.shape[:2]
+            and view.shape[-1] == buf.shape[-1] and view.stride() == buf.stride() and view.dtype == buf.dtype)
+
+
+def _grow(kv: torch.Tensor, need: int) -> torch.Tensor:
+    rows, heads, t, dim = kv.shape
+    buf = kv.new_empty((rows, heads, need + max(SLACK, need // 2), dim))
+    buf[:, :, :t].copy_(kv)
+    return buf
 
 
 class ModelRunner:
@@ -65,6 +107,9 @@ class ModelRunner:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                          cache=cache, use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1, :]
+        for layer in cache.layers:  # plain layers grow in place from now on
+            if type(layer) is DynamicLayer:
+                layer.__class__ = SlackLayer
         self.prefilled_rows += len(rows)
         self.prefilled_contexts += len(contexts)
         if len(contexts) < len(rows):
@@ -78,7 +123,7 @@ class ModelRunner:
         """Rows can be kept and merged only in a plain per-layer KV cache (no sliding windows, no states)."""
         layers = self._cache.layers if self._cache is not None else []
         return (bool(layers) and self._mask is not None and bool(step.keep) and max(step.keep) < self._mask.shape[0]
-                and all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers))
+                and all(type(layer) in (DynamicLayer, SlackLayer) and layer.is_initialized for layer in layers))
 
     def _extend(self, step: Step) -> torch.Tensor:
         if step.keep != tuple(range(self._mask.shape[0])):

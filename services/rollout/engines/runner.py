@@ -4,9 +4,16 @@ prefill of the admitted ones merged into the same left-padded KV cache.
 The KV cache's layers keep spare columns on the right (`SlackLayer`): a decode step writes its token into them
 instead of copying the whole cache into a new tensor (DynamicLayer's torch.cat), which cost O(context) per layer
 and step; the buffer is reallocated (with room to grow) only when it is full or the rows changed.
+
+On CPU every nn.Linear (the LM head included) runs on a oneDNN-prepacked copy of its weight (`PackedLinears`):
+at a decode step's few rows a matmul is bound by reading its weight, and the plain path re-lays the weight out on
+every call. The parameters stay the model's own tensors (the weight sync writes into them); a layer repacks its
+copy on its next call after its weight changed in place (the tensor's version counter moved) or was replaced.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -55,10 +62,50 @@ def _grow(kv: torch.Tensor, need: int) -> torch.Tensor:
     return buf
 
 
+class PackedLinears:
+    """oneDNN-prepacked weights for the model's CPU nn.Linear layers (float32 / bfloat16), set as each layer's
+    instance `forward`; `unpack()` restores the plain layers. Costs a second copy of those weights."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and _packable(m.weight)]
+        for m in self.layers:
+            m.forward = functools.partial(_packed_forward, m, [None, None])
+
+    def unpack(self) -> None:
+        for m in self.layers:
+            m.__dict__.pop("forward", None)
+        self.layers = []
+
+    @staticmethod
+    def available() -> bool:
+        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _packable(w: torch.Tensor) -> bool:
+    if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or w.dim() != 2:
+        return False
+    try:
+        w._version  # noqa: B018 - inference tensors have no version counter: changes could not be seen
+    except RuntimeError:
+        return False
+    return True
+
+
+def _packed_forward(m: torch.nn.Linear, state: list, x: torch.Tensor) -> torch.Tensor:
+    w = m.weight
+    key = (w.data_ptr(), w._version, w.dtype)
+    if state[0] != key:  # first call, or the weight changed since it was packed
+        with torch.no_grad():
+            state[1] = torch.ops.mkldnn._reorder_linear_weight(w.detach())
+        state[0] = key
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), state[1], m.bias, "none", [], "")
+
+
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, *, pad_token_id: int, seed: int) -> None:
+    def __init__(self, model: PreTrainedModel, *, pad_token_id: int, seed: int, prepack: bool = True) -> None:
         self.model = model.eval()
         self.device = next(model.parameters()).device  # every tensor of the engine lives here
+        self.packed = PackedLinears(model) if prepack and PackedLinears.available() else None
         self.pad_token_id = pad_token_id
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._cache: DynamicCache | None = None

@@ -20,7 +20,8 @@ from services.rollout.engines.sequence import Sampling, Status
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 VENV_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 MODEL = ROOT / "artifacts" / "models" / "smollm2-135m-instruct"
-LAYER = "model.layers.3.mlp.down_proj.weight"   # the weight the updates change
+LAYER = "model.layers.3.mlp.down_proj.weight"   # the weights the updates change
+EMBED = "model.embed_tokens.weight"             # tied: the output layer too (lm_head.weight is not in the checkpoint)
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 2, 198, 1, 4093, 198, 1780, 314, 216, 33, 31, 1232,
           216, 34, 39, 47, 2, 198, 1, 520, 9531, 198]
 
@@ -188,15 +189,25 @@ async def test_abort_stops_a_sequence(engine):
 
 @server_test
 async def test_in_place_update_equals_hf_greedy_from_the_new_weights(engine, hf_model):
+    """A transformer layer and the (tied) embedding change: vLLM's output layer follows the embedding."""
     base = engine.version
-    original = engine.named_parameters()[LAYER].clone()
-    await _update(engine, base + 1, lambda p: p[LAYER].mul_(-3.0))
+    original = {n: engine.named_parameters()[n].clone() for n in (LAYER, EMBED)}
+
+    def change(params) -> None:
+        params[LAYER].mul_(-3.0)
+        params[EMBED].mul_(1.5)
+
+    def restore(params) -> None:
+        for n, t in original.items():
+            params[n].copy_(t)
+
+    await _update(engine, base + 1, change)
     try:
         seq = (await engine.generate(PROMPT, Sampling(temperature=0.0, max_new_tokens=16)))[0]
         assert set(seq.versions) == {base + 1}
-        changed = dict(hf_model.named_parameters())[LAYER]
+        hf_params = dict(hf_model.named_parameters())
         with torch.no_grad():
-            changed.mul_(-3.0)
+            change(hf_params)
         try:
             expected = _hf_greedy(hf_model, PROMPT, 16)
             assert seq.output_ids == expected[:len(seq.output_ids)]
@@ -204,11 +215,12 @@ async def test_in_place_update_equals_hf_greedy_from_the_new_weights(engine, hf_
             assert max(abs(a - b) for a, b in zip(ref, seq.logprobs, strict=True)) < 1e-3
         finally:
             with torch.no_grad():
-                changed.copy_(original)
+                restore(hf_params)
     finally:
-        await _update(engine, base + 2, lambda p: p[LAYER].copy_(original))
-    seq = (await engine.generate(PROMPT, Sampling(temperature=0.0, max_new_tokens=12)))[0]
-    assert seq.output_ids == _hf_greedy(hf_model, PROMPT, 12)[:len(seq.output_ids)]  # the original weights are back
+        await _update(engine, base + 2, restore)
+    seq = (await engine.generate(PROMPT, Sampling(temperature=1.0, max_new_tokens=12)))[0]
+    ref = _hf_logprobs(hf_model, PROMPT, seq.output_ids)  # the original weights are back, output layer included
+    assert max(abs(a - b) for a, b in zip(ref, seq.logprobs, strict=True)) < 1e-3
     assert engine.stats.weight_updates >= 2
 
 

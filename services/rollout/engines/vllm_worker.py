@@ -9,7 +9,8 @@ Face name, written by the rollout process (the weight exchange's receiver pulls 
 without a copy. `load_staged(manifest)` hands those tensors to vLLM's in-place reload (`Worker.reload_weights`
 with checkpoint-format weights: the model's own `load_weights`, so fused qkv / gate_up and tied embeddings come out
 right, then each layer's post-load processing again, which on CPU re-packs the oneDNN / sgl GEMM weights that
-vLLM keeps instead of the plain ones).
+vLLM keeps instead of the plain ones), then re-packs the layers that only share a loaded weight (a tied output
+layer: `refresh_cpu_gemms`).
 
 Only the standard library and torch are imported here: this module runs in vLLM's venv.
 """
@@ -43,6 +44,28 @@ def stage_views(manifest: dict) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def refresh_cpu_gemms(model: torch.nn.Module) -> int:
+    """CPU builds: vLLM multiplies by a packed copy of each linear weight (oneDNN / sgl kernels, made when the layer
+    is processed after loading). The reload re-processes every layer it loaded, but a layer that only shares a
+    loaded weight is left alone: the output layer tied to the embedding (`lm_head.weight` is not in the checkpoint)
+    would keep multiplying by the old embedding. Re-pack every layer that still holds its plain 2-D weight next to a
+    packed one (the embedding-like layers; linear layers drop theirs). Returns how many were re-packed."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    count = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if hasattr(module, "cpu_linear") and isinstance(weight, torch.Tensor) and weight.ndim == 2 \
+                and weight.numel() > 0 and not weight.is_meta:
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+            count += 1
+    return count
+
+
 class WeightUpdateExtension:
     """Mixed into vLLM's worker (`self` is the worker: `reload_weights`, `model_runner`)."""
 
@@ -52,8 +75,10 @@ class WeightUpdateExtension:
         manifest = json.loads(manifest_json)
         weights = stage_views(manifest)
         self.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        refreshed = refresh_cpu_gemms(self.model_runner.get_model())
         total = sum(t.numel() * t.element_size() for _, t in weights)
-        return json.dumps({"tensors": len(weights), "bytes": total, "seconds": time.perf_counter() - started})
+        return json.dumps({"tensors": len(weights), "bytes": total, "seconds": time.perf_counter() - started,
+                           "cpu_gemms_refreshed": refreshed})
 
     def meshrl_param_sums(self, names_json: str = "[]") -> str:
         """Sums of the named live parameters (vLLM's names; all when empty), for checks. JSON {name: float}."""

@@ -17,22 +17,39 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     """
     logits = logits.float()
     greedy = temperature <= 0
-    safe = torch.where(greedy, torch.ones_like(temperature), temperature.clamp(min=MIN_TEMPERATURE))
-    scaled = logits / safe.unsqueeze(-1)
-    logprobs_all = torch.log_softmax(scaled, dim=-1)
+    if bool((greedy | (temperature == 1)).all()):
+        scaled = logits  # T = 1 for every row: no division pass over the vocabulary
+    else:
+        safe = torch.where(greedy, torch.ones_like(temperature), temperature.clamp(min=MIN_TEMPERATURE))
+        scaled = logits / safe.unsqueeze(-1)
+    if bool(greedy.all()):  # nothing to draw
+        tokens = logits.argmax(-1)
+        return tokens, scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
     filtered = _top_k_top_p(scaled, top_p, top_k)
-    sampled = _inverse_cdf(torch.softmax(filtered, dim=-1), generator)
-    tokens = torch.where(greedy, logits.argmax(-1), sampled)
-    return tokens, logprobs_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    if filtered is scaled:
+        # untruncated: one exp pass serves both the draw (an unnormalised CDF) and the log-normaliser
+        peak = scaled.amax(-1, keepdim=True)
+        cdf = (scaled - peak).exp_().cumsum_(-1)
+        sampled = _draw(cdf, generator)
+        log_norm = peak.squeeze(-1) + cdf[:, -1].log()
+    else:
+        sampled = _inverse_cdf(torch.softmax(filtered, dim=-1), generator)
+        log_norm = torch.logsumexp(scaled, dim=-1)
+    tokens = torch.where(greedy, logits.argmax(-1), sampled) if bool(greedy.any()) else sampled
+    return tokens, scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_norm
 
 
 def _inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One token per row drawn from `probs` [B, V] by inverting its CDF with one uniform per row: the same
     distribution as torch.multinomial, ~15x cheaper on CPU for a few hundred rows. A token of probability 0
     is never drawn (the first index whose CDF exceeds u has positive mass)."""
-    cdf = probs.cumsum(-1)
-    u = torch.rand((probs.shape[0], 1), generator=generator, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+    return _draw(probs.cumsum(-1), generator)
+
+
+def _draw(cdf: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index per row of a (not necessarily normalised) CDF [B, V], by one uniform per row."""
+    u = torch.rand((cdf.shape[0], 1), generator=generator, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:

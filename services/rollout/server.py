@@ -159,6 +159,8 @@ async def serve(config: RolloutConfig, stop: asyncio.Event) -> None:
     tasks = [asyncio.create_task(consume(bus, "rollout", decoder(data_pb2.PromptWork), rollout.handle_work, stop,
                                          concurrency=config.concurrency, gate=rollout.pull_gate)),
              asyncio.create_task(rollout.dead_letters.run(stop), name="dead-letter-counts")]
+    if hasattr(engine, "watch"):  # a vLLM server: its death takes the service down (the supervisor restarts both)
+        tasks.append(asyncio.create_task(engine.watch(stop), name="engine-watch"))
     if config.gateway_enabled:
         tasks.append(asyncio.create_task(_serve_gateway(config, engine, bus, stop), name="gateway"))
     if receiver is not None:

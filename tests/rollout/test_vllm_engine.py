@@ -84,6 +84,24 @@ def test_stage_holds_the_checkpoint_and_leaves_nothing_behind():
         stage.close()
 
 
+@pytest.mark.skipif(_NO_MODEL, reason="artifacts/models/smollm2-135m-instruct is absent")
+async def test_watch_raises_when_the_server_is_gone():
+    import socket
+
+    from services.rollout.engines.vllm_engine import VLLMConfig
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    engine = VLLMConfig(url=f"http://127.0.0.1:{port}", weight_updates=False).build(
+        model_path=str(MODEL), max_batch=4, max_context=256)
+    with pytest.raises(RuntimeError, match="failed /health 3 times"):
+        await asyncio.wait_for(engine.watch(asyncio.Event(), interval=0.01), 60)
+    stop = asyncio.Event()
+    stop.set()
+    await asyncio.wait_for(engine.watch(stop, interval=0.01), 5)  # returns at once once stopped
+
+
 # against a real server ------------------------------------------------------------------------------------------------
 
 

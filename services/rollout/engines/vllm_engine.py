@@ -338,6 +338,26 @@ class VLLMEngine:
             self.stage.close()
             self.stage = None
 
+    async def watch(self, stop: asyncio.Event, interval: float = 5.0) -> None:
+        """Until `stop`: raise when the server this engine started exits, or when a server (started or attached)
+        fails /health three times in a row; the service then goes down and its supervisor restarts it."""
+        failures = 0
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval)
+            if stop.is_set() or self._stopped:
+                return
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"the vLLM server exited with {self.process.returncode}: {self._log_tail(1000)}")
+            try:
+                await asyncio.to_thread(_get, self.url + "/health", 10.0)
+                failures = 0
+            except (OSError, urllib.error.URLError) as exc:
+                failures += 1
+                self.log.warning("vllm_unhealthy", url=self.url, failures=failures, error=str(exc))
+                if failures >= 3:
+                    raise RuntimeError(f"the vLLM server at {self.url} failed /health {failures} times") from exc
+
     def _kill(self) -> None:
         proc, self.process = self.process, None
         if proc is not None and proc.poll() is None:
@@ -566,9 +586,12 @@ class VLLMEngine:
                     return
                 error = attempt.exception()
                 if error is not None:
+                    # the request's own fault (HTTP 4xx, a malformed reply): "error", its work is dead-lettered;
+                    # the server's (gone, restarting, 5xx): "abort", its work is redelivered
+                    own = isinstance(error, _RequestRefused) and 400 <= error.status < 500
                     self.stats.steps_failed += 1
                     self.log.warning("vllm_request_failed", seq_id=seq.seq_id, error=f"{type(error).__name__}: {error}")
-                    self._finish(seq, "error")
+                    self._finish(seq, "error" if own else "abort")
                     return
                 reason = attempt.result()
                 if reason == "abort" and (live.interrupted or self._gate is not None and not self._gate.is_set()):
@@ -602,7 +625,7 @@ class VLLMEngine:
         async with self._client.stream("POST", "/inference/v1/generate", json=body) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")[:500]
-                raise RuntimeError(f"HTTP {response.status_code}: {text}")
+                raise _RequestRefused(response.status_code, text)
             async for line in response.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -637,6 +660,12 @@ class VLLMEngine:
         self.stats.sequences_failed += reason == "error"
         if seq.on_finish is not None:
             seq.on_finish(seq)
+
+
+class _RequestRefused(RuntimeError):
+    def __init__(self, status: int, text: str) -> None:
+        super().__init__(f"HTTP {status}: {text}")
+        self.status = status
 
 
 @dataclasses.dataclass(eq=False)

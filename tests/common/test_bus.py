@@ -145,7 +145,7 @@ async def test_failing_handler_is_retried_then_dead_lettered(nats_server):
 
         task = asyncio.create_task(consume(bus, "reward", decoder(data_pb2.Trajectory), handle, stop))
         try:
-            (letter,) = await asyncio.wait_for(dead_letters(bus, "reward", 1), 30)
+            (letter,) = await asyncio.wait_for(dead_letters(bus, "reward", 1), 90)
         finally:
             stop.set()
             await task

@@ -48,6 +48,7 @@ def test_vllm_rollout_trains_and_receives_every_version(tmp_path):
     builder.update(batch_size=2, group_size=4, total_steps=STEPS, eval_size=4, eval_every=0, train_size=64)
     builder["sampling"]["max_new_tokens"] = builder["eval_max_new_tokens"] = 8
     plan["services"]["trainer"]["algo_overrides"] = {}   # no dynamic sampling: the steps run whatever the rewards
+    plan["services"]["rollout"]["engine"]["vllm"]["extra_args"] = ["--enforce-eager"]  # serves in ~30 s, not minutes
     config = tmp_path / "e2e-vllm.yaml"
     config.write_text(yaml.safe_dump(plan))
     found: dict = {}

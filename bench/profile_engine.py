@@ -1,7 +1,7 @@
 """Profile the embedded rollout engine in-process on a workload like the default job's: rounds of 64 prompts x
 8 samples (prompts of ~20 characters), at most 8 new tokens, temperature 1, max_batch 256; no services, no bus.
 
-    python -m bench.profile_engine [--rounds 5] [--profile] [--top 25]
+    python -m bench.profile_engine [--rounds 5] [--profile] [--top 25] [--model DIR] [--dtype bfloat16]
 
 Prints one JSON line: wall and CPU seconds per round, tokens per CPU second, engine steps per round; with
 --profile, the top functions by cumulative time (cProfile) on stderr. Wall time is noisy on a shared machine:
@@ -52,10 +52,10 @@ async def one_round(engine, batch: list[list[int]], sampling: Sampling, group: i
 
 
 def run(model_path: str, *, rounds: int, prompts_per_round: int, group: int, max_new_tokens: int, max_batch: int,
-        threads: int, profile: bool, top: int, arrival: float = 0.0) -> dict:
+        threads: int, profile: bool, top: int, arrival: float = 0.0, dtype: str = "float32") -> dict:
     from transformers import AutoTokenizer
 
-    engine = EngineConfig(model_path=model_path, max_batch=max_batch, torch_threads=threads).build()
+    engine = EngineConfig(model_path=model_path, max_batch=max_batch, torch_threads=threads, dtype=dtype).build()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     sampling = Sampling(temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens)
     engine.start()
@@ -81,11 +81,11 @@ def run(model_path: str, *, rounds: int, prompts_per_round: int, group: int, max
             "cpu_seconds_per_round": round(sorted(cpu)[len(cpu) // 2], 4),
             "tokens_per_cpu_second": round(tokens / sum(cpu), 1), "steps_per_round": steps / rounds,
             "engine_busy_seconds_per_round": round(busy / (rounds + 1), 4), "arrival_seconds": arrival,
-            "torch_threads": torch.get_num_threads()}
+            "torch_threads": torch.get_num_threads(), "dtype": dtype}
 
 
 def profile_thread(model_path: str, *, rounds: int, prompts_per_round: int, group: int, max_new_tokens: int,
-                   max_batch: int, threads: int, top: int, arrival: float = 0.0) -> None:
+                   max_batch: int, threads: int, top: int, arrival: float = 0.0, dtype: str = "float32") -> None:
     """cProfile the engine's loop thread (where the work is) over the rounds; stats to stderr."""
     import threading
 
@@ -106,7 +106,7 @@ def profile_thread(model_path: str, *, rounds: int, prompts_per_round: int, grou
     try:
         result = run(model_path, rounds=rounds, prompts_per_round=prompts_per_round, group=group,
                      max_new_tokens=max_new_tokens, max_batch=max_batch, threads=threads, profile=False, top=top,
-                     arrival=arrival)
+                     arrival=arrival, dtype=dtype)
     finally:
         threading.Thread.run = original
     stats = pstats.Stats(profiler, stream=sys.stderr)
@@ -124,13 +124,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--max-batch", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--arrival-ms", type=float, default=0.0, help="one prompt every this many ms (0: all at once)")
     parser.add_argument("--profile", action="store_true", help="cProfile the engine thread; stats on stderr")
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args(argv)
     kw = dict(rounds=args.rounds, prompts_per_round=args.prompts, group=args.group,
               max_new_tokens=args.max_new_tokens, max_batch=args.max_batch, threads=args.threads,
-              arrival=args.arrival_ms / 1000)
+              arrival=args.arrival_ms / 1000, dtype=args.dtype)
     model = args.model or default_model()
     if args.profile:
         profile_thread(model, top=args.top, **kw)

@@ -93,3 +93,30 @@ def test_one_pass_sampler_returns_the_log_softmax_logprob_of_its_token():
     assert logprobs.dtype == torch.float32
     expected = torch.log_softmax(logits.bfloat16().float(), -1).gather(-1, tokens[:, None]).squeeze(-1)
     torch.testing.assert_close(logprobs, expected, atol=1e-5, rtol=1e-5)
+
+
+async def test_weights_written_as_raw_bytes_take_effect_after_resume_with_a_version():
+    """The weight sync's direct transports (TCP recv_into, process_vm_readv) write the parameters' memory without
+    torch seeing it: resume(version) must rebuild the prepacked copies."""
+    import asyncio
+
+    from tests.rollout.test_engine import make_engine
+
+    model = tiny_model(8)
+    new = {k: v.clone() for k, v in tiny_model(9).state_dict().items()}
+    engine = make_engine(model, eos_token_id_override=-1)
+    sampling = Sampling(temperature=1.0, max_new_tokens=8)
+    try:
+        await asyncio.wait_for(engine.generate([4, 5, 6], sampling), 60)  # packs the old weights
+        await engine.pause_async(timeout=30)
+        for name, param in engine.named_parameters().items():
+            versions = param._version
+            param.detach().numpy()[...] = new[name].numpy()  # raw bytes: no version-counter bump
+            assert param._version == versions
+        await engine.resume_async(version=1)
+        [after] = await asyncio.wait_for(engine.generate([4, 5, 6], sampling), 60)
+    finally:
+        engine.stop()
+    reference = tiny_model(9)
+    torch.testing.assert_close(torch.tensor(after.logprobs), full_forward_logprobs(reference, [4, 5, 6], after.output_ids),
+                               atol=1e-4, rtol=1e-4)

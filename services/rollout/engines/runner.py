@@ -7,8 +7,10 @@ and step; the buffer is reallocated (with room to grow) only when it is full or 
 
 On CPU every nn.Linear (the LM head included) runs on a oneDNN-prepacked copy of its weight (`PackedLinears`):
 at a decode step's few rows a matmul is bound by reading its weight, and the plain path re-lays the weight out on
-every call. The parameters stay the model's own tensors (the weight sync writes into them); a layer repacks its
-copy on its next call after its weight changed in place (the tensor's version counter moved) or was replaced.
+every call. The parameters stay the model's own tensors (the weight sync writes into them); every layer repacks
+its copy on its next call after `weights_changed()` (the engine's `resume(version)`: the weight sync may land
+bytes straight in the parameters' memory, which no version counter sees), and a layer does so by itself when its
+weight changed through torch in place (the tensor's version counter moved) or was replaced.
 """
 
 from __future__ import annotations
@@ -71,6 +73,11 @@ class PackedLinears:
         for m in self.layers:
             m.forward = functools.partial(_packed_forward, m, [None, None])
 
+    def invalidate(self) -> None:
+        """The weights changed behind torch's back: every layer repacks on its next call."""
+        for m in self.layers:
+            m.forward.args[1][0] = None
+
     def unpack(self) -> None:
         for m in self.layers:
             m.__dict__.pop("forward", None)
@@ -131,6 +138,11 @@ class ModelRunner:
 
     def drop_cache(self) -> None:
         self._cache = None
+
+    def weights_changed(self) -> None:
+        """The parameters were written (in place, possibly as raw bytes): derived copies are rebuilt before use."""
+        if self.packed is not None:
+            self.packed.invalidate()
 
     # full prefill -------------------------------------------------------------------------------------------
     def _full(self, rows: list[Sequence]) -> torch.Tensor:

@@ -186,6 +186,7 @@ class EmbeddedEngine:
                     self.stats.interrupted_sequences += len(self.scheduler.running)
                 self.version = version
                 self.scheduler.invalidate()
+                self.runner.weights_changed()  # prepacked copies of the weights are rebuilt before the next step
             self._pause_requests = max(0, self._pause_requests - 1)
             self._cv.notify_all()
 

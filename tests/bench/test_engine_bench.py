@@ -29,6 +29,7 @@ def test_embedded_lines_the_update_line_and_vllm_skipped(tmp_path, capsys):
         assert x["tokens_per_second"] > 0 and 0 < x["ttft_p50_seconds"] < x["wall_seconds"]
     updates = [x for x in lines if x["case"] == "weight_update"]
     assert [x["dtype"] for x in updates] == ["float32", "bfloat16"]
-    assert all(x["update_seconds"] > 0 and x["reload_seconds"] > 0 and x["repack_seconds"] >= 0 for x in updates)
+    assert all(x["update_seconds"] > 0 and x["reload_seconds"] > 0 and x["restart_seconds"] > 0
+               and x["repack_seconds"] >= 0 for x in updates)
     [vllm] = [x for x in lines if x["engine"] == "vllm"]
     assert "no vLLM venv" in vllm["skipped"]

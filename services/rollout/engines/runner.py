@@ -26,7 +26,6 @@ from services.rollout.engines.sampler import sample
 from services.rollout.engines.scheduler import Step
 from services.rollout.engines.sequence import Sequence
 
-
 SLACK = 64  # spare KV columns allocated beyond what a layer holds (and at least half its length)
 
 

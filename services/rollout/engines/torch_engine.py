@@ -120,19 +120,7 @@ class EmbeddedEngine:
 
     def check(self, prompt_ids: list[int], sampling: Sampling, n: int = 1) -> None:
         """ValueError naming the field when a request cannot run here; nothing is admitted before this passed."""
-        if not isinstance(sampling, Sampling):
-            raise ValueError(f"sampling: expected Sampling, got {type(sampling).__name__}")
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLES:
-            raise ValueError(f"n: must be an integer in [1, {MAX_SAMPLES}], got {n!r}")
-        if not prompt_ids:
-            raise ValueError("prompt_ids: empty")
-        limit = self.scheduler.max_context
-        if len(prompt_ids) >= limit:
-            raise ValueError(f"prompt_ids: {len(prompt_ids)} tokens, the engine holds at most {limit - 1}")
-        check_token_ids(prompt_ids, self.vocab_size, "prompt_ids")
-        check_token_ids(sampling.stop_token_ids, self.vocab_size, "stop_token_ids", allow_empty=True)
-        if sampling.max_new_tokens > limit:
-            raise ValueError(f"max_new_tokens: must be <= the engine's context {limit}, got {sampling.max_new_tokens}")
+        check_request(prompt_ids, sampling, n, max_context=self.scheduler.max_context, vocab_size=self.vocab_size)
 
     def submit(self, prompt_ids: list[int], sampling: Sampling, on_finish, *, priority: bool = False) -> Sequence:
         """Admit one sequence (after `check`: ValueError naming the field when it cannot run)."""
@@ -298,6 +286,23 @@ class _Group:
             last = self._left == 0
         if last:
             self._wake()
+
+
+def check_request(prompt_ids: list[int], sampling: Sampling, n: int, *, max_context: int,
+                  vocab_size: int | None) -> None:
+    """What every engine checks before admitting a request; ValueError naming the field."""
+    if not isinstance(sampling, Sampling):
+        raise ValueError(f"sampling: expected Sampling, got {type(sampling).__name__}")
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLES:
+        raise ValueError(f"n: must be an integer in [1, {MAX_SAMPLES}], got {n!r}")
+    if not prompt_ids:
+        raise ValueError("prompt_ids: empty")
+    if len(prompt_ids) >= max_context:
+        raise ValueError(f"prompt_ids: {len(prompt_ids)} tokens, the engine holds at most {max_context - 1}")
+    check_token_ids(prompt_ids, vocab_size, "prompt_ids")
+    check_token_ids(sampling.stop_token_ids, vocab_size, "stop_token_ids", allow_empty=True)
+    if sampling.max_new_tokens > max_context:
+        raise ValueError(f"max_new_tokens: must be <= the engine's context {max_context}, got {sampling.max_new_tokens}")
 
 
 def check_token_ids(ids, vocab_size: int | None, field: str, *, allow_empty: bool = False) -> None:

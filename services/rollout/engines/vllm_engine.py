@@ -49,7 +49,6 @@ import torch
 from services.common.logging import get_logger
 from services.rollout.engines.sequence import Sampling, Sequence, Status
 
-MAX_SAMPLES = 1024
 DTYPES = ("float32", "bfloat16")
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 ROOT = pathlib.Path(__file__).resolve().parents[3]
@@ -395,21 +394,9 @@ class VLLMEngine:
         return dict(self.stage.tensors)
 
     def check(self, prompt_ids: list[int], sampling: Sampling, n: int = 1) -> None:
-        from services.rollout.engines.torch_engine import check_token_ids
+        from services.rollout.engines.torch_engine import check_request
 
-        if not isinstance(sampling, Sampling):
-            raise ValueError(f"sampling: expected Sampling, got {type(sampling).__name__}")
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLES:
-            raise ValueError(f"n: must be an integer in [1, {MAX_SAMPLES}], got {n!r}")
-        if not prompt_ids:
-            raise ValueError("prompt_ids: empty")
-        limit = self._max_context
-        if len(prompt_ids) >= limit:
-            raise ValueError(f"prompt_ids: {len(prompt_ids)} tokens, the engine holds at most {limit - 1}")
-        check_token_ids(prompt_ids, self.vocab_size, "prompt_ids")
-        check_token_ids(sampling.stop_token_ids, self.vocab_size, "stop_token_ids", allow_empty=True)
-        if sampling.max_new_tokens > limit:
-            raise ValueError(f"max_new_tokens: must be <= the engine's context {limit}, got {sampling.max_new_tokens}")
+        check_request(prompt_ids, sampling, n, max_context=self._max_context, vocab_size=self.vocab_size)
 
     def submit(self, prompt_ids: list[int], sampling: Sampling, on_finish=None, *, priority: bool = False) -> Sequence:
         """Admit one sequence (call on the event loop's thread)."""

@@ -66,6 +66,21 @@ class Algorithm:
             r = torch.where(truncated.bool(), 0.0, r)
         return r
 
+    def normalize(self, rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+        """The configured baseline and scale (group, batch or none) of rewards: float[N], one per sequence or step."""
+        c = self.config
+        if c.reward_norm_mean is None and c.reward_norm_std is None:
+            return rewards
+        return normalize_rewards(
+            rewards,
+            group_ids,
+            mean_level=c.reward_norm_mean,
+            std_level=c.reward_norm_std,
+            leave_one_out=c.reward_norm_leave_one_out,
+            unbiased=c.std_unbiased,
+            eps=c.norm_eps,
+        )
+
     def _overlong(self, lengths: torch.Tensor | None) -> torch.Tensor:
         c = self.config
         assert c.max_new_tokens is not None and lengths is not None
@@ -112,17 +127,7 @@ class Algorithm:
                 raise ValueError("mask_truncated_reward needs `truncated` (bool[B]) from the rollout")
             values = torch.where(truncated.bool()[rows], 0.0, values)
         shaped = torch.zeros(mask.shape[0], device=values.device).index_add_(0, rows, values)
-        normed = values
-        if c.reward_norm_mean is not None or c.reward_norm_std is not None:
-            normed = normalize_rewards(
-                values,
-                group_ids[rows],
-                mean_level=c.reward_norm_mean,
-                std_level=c.reward_norm_std,
-                leave_one_out=c.reward_norm_leave_one_out,
-                unbiased=c.std_unbiased,
-                eps=c.norm_eps,
-            )
+        normed = self.normalize(values, group_ids[rows])
         tok = torch.zeros(mask.shape, device=values.device)
         tok[ends] = normed.float()
         return tok, shaped
@@ -159,18 +164,7 @@ class Algorithm:
             )
         else:
             shaped = self.shape_rewards(rewards, lengths=lengths, truncated=truncated)
-            r = shaped
-            if c.reward_norm_mean is not None or c.reward_norm_std is not None:
-                r = normalize_rewards(
-                    shaped,
-                    group_ids,
-                    mean_level=c.reward_norm_mean,
-                    std_level=c.reward_norm_std,
-                    leave_one_out=c.reward_norm_leave_one_out,
-                    unbiased=c.std_unbiased,
-                    eps=c.norm_eps,
-                )
-            tok = token_rewards(r, mask)
+            tok = token_rewards(self.normalize(shaped, group_ids), mask)
         kl = None
         if c.kl_ctl > 0:
             if old_logp is None or ref_logp is None:

@@ -8,6 +8,17 @@ import sys
 import structlog
 
 
+class _Stderr:
+    """Whatever sys.stderr is when a line is written: a logger configured while stderr was swapped (a test's capture,
+    closed afterwards) must not fail every later log call, least of all one inside an error handler."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(service: str, level: str = "info") -> structlog.stdlib.BoundLogger:
     numeric = logging.getLevelName(level.upper())
     if not isinstance(numeric, int):
@@ -21,7 +32,7 @@ def configure_logging(service: str, level: str = "info") -> structlog.stdlib.Bou
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),
         cache_logger_on_first_use=False,
     )
     structlog.contextvars.bind_contextvars(service=service)

@@ -156,8 +156,10 @@ def test_a_packed_train_step_matches_a_padded_one():
     assert m0.keys() == m1.keys()
     for key in m0:
         assert m1[key] == pytest.approx(m0[key], rel=1e-4, abs=1e-5), key
+    # Adam divides by the gradient's own scale, so float-rounding noise in a near-zero gradient moves its parameter
+    # by up to ~lr-sized fractions: 1e-4 is still 100x below one lr step (1e-2)
     for a, c in zip(padded.parameters(), packed.parameters(), strict=True):
-        torch.testing.assert_close(c, a, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(c, a, atol=1e-4, rtol=1e-3)
 
 
 def test_packed_log_probs_through_lora_adapters_equal_the_padded_ones():

@@ -49,8 +49,9 @@ down:
 status: setup
 	$(MESHRL) status
 
-# the vLLM tests (marker vllm) need .venv-vllm; make test builds it (~2-3 min, 3.5 GB) and runs them
+# the vLLM tests (marker vllm) need .venv-vllm and SmolLM2 at collection: make test builds both (~3 min, 3.5 GB)
 test: setup vllm-env
+	test -f artifacts/models/smollm2-135m-instruct/model.safetensors || $(MESHRL) model smollm2
 	$(PYTHON) -m pytest -q -ra
 
 test-fast: setup

@@ -30,9 +30,8 @@ from services.common.logging import get_logger
 from services.common.rpc import Servicer, bound_address, invalid_argument, start_server
 from services.common.service import supervise
 from services.rollout.config import RolloutConfig
-from services.rollout.engines.base import Engine, engine_name, num_running, num_waiting
+from services.rollout.engines.base import MAX_SAMPLES, Engine, engine_name, num_running, num_waiting
 from services.rollout.engines.sequence import Sampling
-from services.rollout.engines.torch_engine import MAX_SAMPLES
 from services.rollout.workflows.single_turn import sampling_from_proto, to_trajectories, validate_work
 
 TRAJECTORIES = prometheus_client.Counter("meshrl_rollout_trajectories_total", "Trajectories published")

@@ -13,8 +13,9 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from services.common.bus import InvalidMessage
 from services.common.contracts import data_pb2
 from services.rollout.config import RolloutConfig
+from services.rollout.engines.base import MAX_SAMPLES
 from services.rollout.engines.sequence import Sampling, Sequence
-from services.rollout.engines.torch_engine import MAX_SAMPLES, EmbeddedEngine
+from services.rollout.engines.torch_engine import EmbeddedEngine
 from services.rollout.server import Rollout
 from services.rollout.workflows.single_turn import validate_work
 

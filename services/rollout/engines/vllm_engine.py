@@ -47,6 +47,7 @@ import httpx
 import torch
 
 from services.common.logging import get_logger
+from services.rollout.engines.base import check_request
 from services.rollout.engines.sequence import Sampling, Sequence, Status
 
 DTYPES = ("float32", "bfloat16")
@@ -394,8 +395,6 @@ class VLLMEngine:
         return dict(self.stage.tensors)
 
     def check(self, prompt_ids: list[int], sampling: Sampling, n: int = 1) -> None:
-        from services.rollout.engines.torch_engine import check_request
-
         check_request(prompt_ids, sampling, n, max_context=self._max_context, vocab_size=self.vocab_size)
 
     def submit(self, prompt_ids: list[int], sampling: Sampling, on_finish=None, *, priority: bool = False) -> Sequence:

@@ -12,8 +12,8 @@ from typing import Any
 from services.common.bus import InvalidMessage
 from services.common.contracts import data_pb2
 from services.common.ids import now
+from services.rollout.engines.base import MAX_SAMPLES
 from services.rollout.engines.sequence import Sampling, Sequence
-from services.rollout.engines.torch_engine import MAX_SAMPLES
 
 MAX_GROUP_SIZE = MAX_SAMPLES
 MAX_NAME_CHARS = 1024                      # task_id, group_id

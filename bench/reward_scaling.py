@@ -43,9 +43,16 @@ import psutil
 import yaml
 
 from launcher.processes import NatsServer, free_port
+from launcher.stack import ensure_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-MODEL = ROOT / "artifacts" / "models" / "tiny-qwen3-seed0"
+
+
+def model_path() -> pathlib.Path:
+    """The tiny model whose tokenizer the reward replicas decode with (built once, ~20 s, if missing)."""
+    return ensure_model("tiny-qwen3", 0)
+
+
 VERIFIERS = ("math", "code_tests")
 START_TIMEOUT_S = 300.0   # 4 replicas importing transformers on 2 busy cores
 PER_REPLICA = {"concurrency": 1, "verifier_pool_workers": 1, "sandbox_concurrency": 1}
@@ -108,7 +115,7 @@ class Replica:
         self.config_path = work / f"reward-{index}.yaml"
         self.config_path.write_text(yaml.safe_dump({
             "nats_url": nats_url, "grpc_address": self.address, "metrics_port": -1, "log_level": "warning",
-            "run_dir": str(work / "run"), "model_path": str(MODEL),
+            "run_dir": str(work / "run"), "model_path": str(model_path()),
             "concurrency": PER_REPLICA["concurrency"],
             "verifier_pool": {"workers": PER_REPLICA["verifier_pool_workers"]},
             "sandbox": {"concurrency": PER_REPLICA["sandbox_concurrency"]}}))
@@ -309,7 +316,7 @@ async def main_async(args) -> None:
     from services.common.logging import configure_logging
 
     configure_logging("bench", "error")  # stdout is the JSON lines
-    tokenizer = AutoTokenizer.from_pretrained(str(MODEL))
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path()))
     replica_counts = [int(x) for x in args.replicas.split(",")]
     verifiers = [v for v in args.verifiers.split(",") if v]
     for v in verifiers:

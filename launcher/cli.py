@@ -12,7 +12,19 @@ import subprocess
 import sys
 
 from launcher import reporter
-from launcher.stack import DEFAULT_PORTS, NATS_MODES, ROOT, STATE_FILE, down, run, status, supervise, up
+from launcher.stack import (
+    DEFAULT_PORTS,
+    MODELS,
+    NATS_MODES,
+    ROOT,
+    STATE_FILE,
+    down,
+    ensure_model,
+    run,
+    status,
+    supervise,
+    up,
+)
 
 BENCH_DIR = ROOT / "bench"
 SCRIPTS_DIR = ROOT / "scripts"
@@ -56,6 +68,11 @@ def _algorithms(args: argparse.Namespace) -> int:
 
 
 def _model(args: argparse.Namespace) -> int:
+    if args.name in MODELS:
+        seed = argparse.ArgumentParser(prog=f"meshrl model {args.name}")
+        seed.add_argument("--seed", type=int, default=0)
+        print(ensure_model(args.name, seed.parse_args(args.args).seed))
+        return 0
     script = SCRIPTS_DIR / f"convert_{args.name}.py"
     if not script.exists():
         known = ", ".join(converter_names()) or "none"
@@ -111,8 +128,10 @@ def build_parser(prog: str = "meshrl") -> argparse.ArgumentParser:
     p.add_argument("--show", metavar="PRESET", help="every setting of one preset")
     p.set_defaults(handler=_algorithms)
 
-    p = sub.add_parser("model", help="convert a model into a Hugging Face directory the stack loads")
-    p.add_argument("name", metavar="NAME", help=f"scripts/convert_NAME.py; one of: {', '.join(converter_names())}")
+    p = sub.add_parser("model", help="build a built-in model, or convert one, into a Hugging Face directory the stack "
+                       "loads")
+    p.add_argument("name", metavar="NAME", help=f"a built-in model ({', '.join(MODELS)}; --seed N) or "
+                   f"scripts/convert_NAME.py ({', '.join(converter_names())})")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the converter's own arguments (NAME --help lists them)")
     p.set_defaults(handler=_model)
 

@@ -5,20 +5,12 @@ its venv is not there."""
 from __future__ import annotations
 
 import json
-import pathlib
-
-import pytest
 
 from bench import engine as bench_engine
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-MODEL = ROOT / "artifacts" / "models" / "tiny-qwen3-seed0"
 
-pytestmark = pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="no tiny-qwen3-seed0 (run `make run` once)")
-
-
-def test_embedded_lines_the_update_line_and_vllm_skipped(tmp_path, capsys):
-    bench_engine.main(["--model", str(MODEL), "--concurrency", "2", "4", "--new-tokens", "5", "--threads", "1",
+def test_embedded_lines_the_update_line_and_vllm_skipped(tmp_path, capsys, tiny_qwen3):
+    bench_engine.main(["--model", str(tiny_qwen3), "--concurrency", "2", "4", "--new-tokens", "5", "--threads", "1",
                        "--vllm-venv", str(tmp_path / "no-venv")])
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     gen = [x for x in lines if x["case"] == "generate" and x["engine"] == "embedded"]

@@ -15,7 +15,7 @@ CASE_FIELDS = {"bench", "case", "verifier", "replicas", "trajectories", "seconds
 def test_backlogs_decode_to_their_tasks_and_mix_passing_and_failing():
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(reward_scaling.MODEL))
+    tokenizer = AutoTokenizer.from_pretrained(str(reward_scaling.model_path()))
     for verifier in reward_scaling.VERIFIERS:
         trajectories, expected = reward_scaling.backlog(verifier, 8, "t", tokenizer)
         assert len({t.trajectory_id for t in trajectories}) == 8

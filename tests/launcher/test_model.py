@@ -9,8 +9,6 @@ import pytest
 
 from launcher.stack import SERVICES, Stack, random_ports, resolve_model, run_dtype
 
-TINY = pathlib.Path(__file__).resolve().parents[2] / "artifacts" / "models" / "tiny-qwen3-seed0"
-
 
 def model_dir(root: pathlib.Path, *files: str) -> pathlib.Path:
     root.mkdir(parents=True, exist_ok=True)
@@ -78,17 +76,16 @@ def test_the_engine_and_trainer_configs_refuse_an_unknown_dtype():
         TrainerConfig(dtype="half")
 
 
-@pytest.mark.skipif(not (TINY / "model.safetensors").exists(), reason="the tiny model is built by make run")
-def test_bfloat16_engine_loads_bf16_weights_and_the_trainer_steps_under_autocast():
+def test_bfloat16_engine_loads_bf16_weights_and_the_trainer_steps_under_autocast(tiny_qwen3):
     import torch
 
     from services.rollout.engines.torch_engine import EngineConfig
     from services.trainer.config import TrainerConfig
     from services.trainer.engine import TrainerEngine
 
-    engine = EngineConfig(model_path=str(TINY), dtype="bfloat16").build()
+    engine = EngineConfig(model_path=str(tiny_qwen3), dtype="bfloat16").build()
     assert {p.dtype for p in engine.named_parameters().values()} == {torch.bfloat16}
-    trainer = TrainerEngine(TrainerConfig(model_path=str(TINY), dtype="bfloat16", wx_address=""))
+    trainer = TrainerEngine(TrainerConfig(model_path=str(tiny_qwen3), dtype="bfloat16", wx_address=""))
     assert {p.dtype for p in trainer.weights().values()} == {torch.float32}   # master weights stay float32
     with trainer.autocast():
         logits = trainer.model(input_ids=torch.tensor([[1, 2, 3]])).logits

@@ -5,7 +5,6 @@ parameters, as the weight sync's receiver does) takes effect at the next step.""
 from __future__ import annotations
 
 import asyncio
-import pathlib
 
 import pytest
 import torch
@@ -14,9 +13,6 @@ from services.rollout.engines.sequence import Sampling
 from services.rollout.engines.torch_engine import EngineConfig
 from tests.rollout.test_engine import full_forward_logprobs, make_engine, tiny_model
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-TINY = ROOT / "artifacts" / "models" / "tiny-qwen3-seed0"
-
 
 def test_float32_is_the_default_and_other_dtypes_are_refused():
     assert EngineConfig().dtype == "float32"
@@ -24,10 +20,9 @@ def test_float32_is_the_default_and_other_dtypes_are_refused():
         EngineConfig(dtype="float16")
 
 
-@pytest.mark.skipif(not (TINY / "config.json").exists(), reason="no tiny-qwen3-seed0 (run `make run` once)")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-async def test_built_engine_holds_weights_and_kv_in_its_dtype(dtype):
-    engine = EngineConfig(model_path=str(TINY), dtype=dtype, max_batch=8, max_context=128).build()
+async def test_built_engine_holds_weights_and_kv_in_its_dtype(dtype, tiny_qwen3):
+    engine = EngineConfig(model_path=str(tiny_qwen3), dtype=dtype, max_batch=8, max_context=128).build()
     engine.start()
     try:
         [seq] = await asyncio.wait_for(engine.generate([5, 6, 7, 8], Sampling(temperature=1.0, max_new_tokens=6)), 60)
@@ -67,12 +62,11 @@ async def test_bf16_logprobs_match_a_float32_softmax_of_the_bf16_logits_and_upda
     torch.testing.assert_close(torch.tensor(after.logprobs), expected, atol=0.05, rtol=0.02)
 
 
-@pytest.mark.skipif(not (TINY / "config.json").exists(), reason="no tiny-qwen3-seed0 (run `make run` once)")
-async def test_prepack_off_runs_the_plain_layers_with_the_same_greedy_ids():
+async def test_prepack_off_runs_the_plain_layers_with_the_same_greedy_ids(tiny_qwen3):
     sampling = Sampling(temperature=0.0, max_new_tokens=8)
     outputs = []
     for prepack in (False, True):
-        engine = EngineConfig(model_path=str(TINY), max_batch=8, max_context=128, prepack=prepack).build()
+        engine = EngineConfig(model_path=str(tiny_qwen3), max_batch=8, max_context=128, prepack=prepack).build()
         engine.start()
         try:
             [seq] = await asyncio.wait_for(engine.generate([5, 6, 7, 8], sampling), 60)

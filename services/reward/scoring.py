@@ -104,8 +104,16 @@ class Scorer:
             if self.count_tokens is None:
                 raise ValueError("metadata.shaping: max_tokens needs a token count here (use max_chars)")
             n_tokens = self.count_tokens(response)
-        verdict = self.pool.score(name, response, task, self.timeout_s) if v.isolated else v.score(response, task)
+        verdict = self._quick(v, response, task)
+        if verdict is None:
+            verdict = self.pool.score(name, response, task, self.timeout_s) if v.isolated else v.score(response, task)
         return shaping.apply(terms, verdict, response, n_tokens)
+
+    @staticmethod
+    def _quick(v: Verifier, response: str, task: Mapping[str, Any]) -> Verdict | None:
+        """An isolated verifier's bounded-time answer (`quick`), if it has one for this input: no worker round trip."""
+        quick = getattr(v, "quick", None) if v.isolated else None
+        return quick(response, task) if quick is not None else None
 
     async def score_text_async(self, verifier: str, response: str, task: Mapping[str, Any]) -> Verdict:
         return await asyncio.to_thread(self.score_text, verifier, response, task)

@@ -29,13 +29,19 @@ def traj(**kw) -> data_pb2.Trajectory:
     return data_pb2.Trajectory(**base)
 
 
+def symbolic_traj(**kw) -> data_pb2.Trajectory:
+    """Needs math-verify (0.5 against 1/2): scored in a worker, not by the verifier's in-process quick check."""
+    return traj(completion_ids=[ord(c) for c in "0.5"], versions=[0] * 3, behavior_logprobs=[-1.0] * 3,
+                loss_mask=[1] * 3, metadata=msgpack.packb({"answer": "1/2", "extract": "last_number"}), **kw)
+
+
 def test_a_verification_past_its_deadline_scores_zero_and_the_worker_is_replaced(pool):
     slow = Scorer(lambda ids: "".join(map(chr, ids)), "math", timeout_s=1e-4, pool=pool)
     verdict = slow.score_text("math", "\\frac{1}{2} + \\sqrt{2}", {"answer": "0.5 + 2^{1/2}", "extract": "all"})
     assert verdict.reward == 0.0 and verdict.detail.startswith("timeout")
     assert pool.timeouts >= 1
     fine = Scorer(lambda ids: "".join(map(chr, ids)), "math", timeout_s=30, pool=pool)
-    assert fine.score(traj()).reward == 1.0  # a fresh worker took over
+    assert fine.score(symbolic_traj()).reward == 1.0  # a fresh worker took over
 
 
 async def test_scoring_keeps_the_event_loop_free(pool):
@@ -49,7 +55,7 @@ async def test_scoring_keeps_the_event_loop_free(pool):
             ticks += 1
 
     task = asyncio.create_task(ticker())
-    scored = await asyncio.gather(*(scorer.score_async(traj(trajectory_id=f"t-{i}")) for i in range(4)))
+    scored = await asyncio.gather(*(scorer.score_async(symbolic_traj(trajectory_id=f"t-{i}")) for i in range(4)))
     task.cancel()
     assert [s.reward for s in scored] == [1.0] * 4 and ticks > 0
 
@@ -86,3 +92,46 @@ def test_reasoning_gym_scorers_run_in_the_workers(pool):
     assert scorer.score(traj(metadata=msgpack.packb(meta))).reward < 1.0  # extract "all": the whole sentence
     with pytest.raises(InvalidMessage, match="metadata.rg_entry: missing"):
         scorer.score(traj(metadata=msgpack.packb({**meta, "rg_entry": None})))
+
+
+class CountingPool(VerifierPool):
+    def __init__(self) -> None:
+        super().__init__(workers=1)
+        self.calls = 0
+
+    def score(self, *args, **kwargs):
+        self.calls += 1
+        return super().score(*args, **kwargs)
+
+
+@pytest.mark.parametrize("gold, completion", [("42", "so 40 + 2 = 42"), ("7", "007"), ("-0", "0"),
+                                              ("-13", "13"), ("100000000000000000001", "100000000000000000000"),
+                                              ("5", "no number here")])
+def test_integer_answers_are_scored_in_process_as_math_verify_scores_them(gold, completion):
+    import math_verify
+
+    from services.reward.verifiers.base import extract
+
+    pool = CountingPool()
+    try:
+        verdict = Scorer(str, "math", timeout_s=30, pool=pool).score_text(
+            "math", completion, {"answer": gold, "extract": "last_number"})
+        assert pool.calls == 0
+    finally:
+        pool.close()
+    answer = extract(completion, "last_number")
+    expected = answer is not None and math_verify.verify(math_verify.parse(gold), math_verify.parse(answer),
+                                                          timeout_seconds=None)
+    assert verdict.reward == float(expected)
+
+
+@pytest.mark.parametrize("gold, completion, reward", [("1/2", "0.5", 1.0), ("12", "12.0", 1.0), ("+5", "5", 0.0),
+                                                      ("0.25", "1/4", 1.0)])
+def test_anything_but_two_integers_goes_to_a_worker(gold, completion, reward):
+    pool = CountingPool()
+    try:
+        verdict = Scorer(str, "math", timeout_s=30, pool=pool).score_text(
+            "math", completion, {"answer": gold, "extract": "all"})
+        assert pool.calls == 1 and verdict.reward == reward
+    finally:
+        pool.close()

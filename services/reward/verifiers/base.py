@@ -26,7 +26,9 @@ class NoOptions:
 
 class Verifier(Protocol):
     """`check` raises ValueError naming the field for a task this verifier can never score (run before any work);
-    `isolated` verifiers may be slow and run in worker processes with a deadline (pool.py)."""
+    `isolated` verifiers may be slow and run in worker processes with a deadline (pool.py); one may also define
+    `quick(response, task) -> Verdict | None`, a bounded-time check the scorer runs in its own process first (None:
+    the worker decides)."""
 
     name: str
     isolated: bool

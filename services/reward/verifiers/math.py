@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,6 +18,8 @@ from services.reward.verifiers.base import (
     reference_answer,
 )
 
+_INTEGER = re.compile(r"-?\d{1,64}")
+
 
 class MathVerifier:
     """Symbolic checks can run for unbounded time on adversarial input: the reward service runs this verifier in
@@ -29,10 +32,22 @@ class MathVerifier:
         check_task(task)
         parse_options(NoOptions, task.get("verifier_options"), "metadata.verifier_options")
 
-    def score(self, response: str, task: Mapping[str, Any]) -> Verdict:
+    def quick(self, response: str, task: Mapping[str, Any]) -> Verdict | None:
+        """The verdict when it needs no symbolic check (no answer; gold and answer both plain integers, which
+        math-verify compares by value: "007" is 7, "-0" is 0), in bounded time in the caller's process; else None."""
         gold = reference_answer(task)
         answer = extract(response, extract_mode(task))
         if answer is None:
             return Verdict(0.0, "no answer found")
+        gold, answer = gold.strip(), answer.strip()
+        if _INTEGER.fullmatch(gold) and _INTEGER.fullmatch(answer):
+            return Verdict(1.0 if int(gold) == int(answer) else 0.0, f"answer {answer!r} vs {gold!r}")
+        return None
+
+    def score(self, response: str, task: Mapping[str, Any]) -> Verdict:
+        if (verdict := self.quick(response, task)) is not None:
+            return verdict
+        gold = reference_answer(task)
+        answer = extract(response, extract_mode(task))
         ok = math_verify.verify(math_verify.parse(gold), math_verify.parse(answer), timeout_seconds=None)
         return Verdict(1.0 if ok else 0.0, f"answer {answer!r} vs {gold!r}")

@@ -6,7 +6,9 @@ import dataclasses
 import os
 
 from services.common.config import ServiceConfig
+from services.rollout.engines.sglang_engine import SGLangConfig
 from services.rollout.engines.torch_engine import EngineConfig
+from services.rollout.engines.vllm_ascend_engine import build_vllm_ascend, check_ascend_device
 from services.rollout.engines.vllm_engine import VLLMConfig
 from services.rollout.gateway.config import GatewayConfig
 
@@ -17,27 +19,36 @@ def default_rank_id() -> str:
     return f"rollout-{host}" if host else "rollout-0"
 
 
-ENGINE_KINDS = ("embedded", "vllm")
+ENGINE_KINDS = ("embedded", "vllm", "vllm_ascend", "sglang")
 
 
 @dataclasses.dataclass(kw_only=True)
 class RolloutEngineConfig(EngineConfig):
     """The engine section: `kind` picks the engine; model_path, max_batch, max_context, dtype, seed and
-    initial_version apply to both (vLLM: --max-num-seqs, --max-model-len), device and torch_threads to the embedded
+    initial_version apply to all (vLLM: --max-num-seqs, --max-model-len; SGLang: --max-running-requests,
+    --context-length), device to the embedded engine and vllm_ascend (npu or npu:N), torch_threads to the embedded
     engine only."""
 
-    kind: str = "embedded"  # embedded (the torch engine in this process) | vllm (a vLLM server: section vllm)
+    kind: str = "embedded"  # embedded (torch, in this process) | vllm | vllm_ascend (section vllm) | sglang (section sglang)
     vllm: VLLMConfig = dataclasses.field(default_factory=VLLMConfig)
+    sglang: SGLangConfig = dataclasses.field(default_factory=SGLangConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.kind not in ENGINE_KINDS:
             raise ValueError(f"engine.kind: must be one of {', '.join(ENGINE_KINDS)}, got {self.kind!r}")
+        if self.kind == "vllm_ascend":
+            check_ascend_device(self.device)
 
     def build(self, run_dir: str = ""):
+        common = dict(model_path=self.model_path, max_batch=self.max_batch, max_context=self.max_context,
+                      dtype=self.dtype, seed=self.seed, version=self.initial_version, run_dir=run_dir)
         if self.kind == "vllm":
-            return self.vllm.build(model_path=self.model_path, max_batch=self.max_batch, max_context=self.max_context,
-                                   dtype=self.dtype, seed=self.seed, version=self.initial_version, run_dir=run_dir)
+            return self.vllm.build(**common)
+        if self.kind == "vllm_ascend":
+            return build_vllm_ascend(self.vllm, device=self.device, **common)
+        if self.kind == "sglang":
+            return self.sglang.build(**common)
         return super().build()
 
 

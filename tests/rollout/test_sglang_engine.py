@@ -1,0 +1,277 @@
+"""The SGLang engine against a contract double (tests/rollout/sglang_double.py, a subprocess on loopback backed by
+the tiny Qwen3): tokens, log-probs, versions across pause / weight update / resume, abort, timeouts.
+
+These prove our side of the contract (what the engine sends, how it reads SGLang's documented replies and what it
+does around them), not SGLang's: a real SGLang server is exercised only by bench/gpu_check.py on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from services.rollout.engines.sequence import Sampling, Status
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+PROMPTS = [[72, 101, 108, 108, 111], [87, 104, 97, 116, 32, 105, 115]]
+LAYER = "model.layers.0.mlp.down_proj.weight"
+
+
+@contextlib.contextmanager
+def double(model: str, token_delay: float = 0.0, ignore_eos: bool = False):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "tests.rollout.sglang_double", "--model", model, "--port",
+                             str(port), "--token-delay", str(token_delay)] + ["--ignore-eos"] * ignore_eos, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            with contextlib.suppress(OSError):
+                urllib.request.urlopen(url + "/health", timeout=2).close()  # noqa: S310 - loopback
+                break
+            assert proc.poll() is None, "the double exited while starting"
+            assert time.monotonic() < deadline, "the double did not answer /health in 120 s"
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
+def state(url: str) -> dict:
+    with urllib.request.urlopen(url + "/double/state", timeout=5) as r:  # noqa: S310 - loopback
+        return json.loads(r.read())
+
+
+def engine_for(url: str, model: str, **config):
+    from services.rollout.engines.sglang_engine import SGLangConfig
+
+    config.setdefault("weight_sync", "none")
+    return SGLangConfig(url=url, **config).build(model_path=model, max_batch=8, max_context=256)
+
+
+def expected_logprobs(model_dir: str, seq, temperature: float, weights_by_version: dict) -> list[float]:
+    """Each output token's log-prob under softmax(logits / T) of a fresh forward of the weights of its version."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    out = []
+    with torch.no_grad():
+        for i, (token, version) in enumerate(zip(seq.output_ids, seq.versions, strict=True)):
+            model.load_state_dict({**base, **weights_by_version.get(version, {})}, strict=False)
+            logits = model(input_ids=torch.tensor([seq.prompt_ids + seq.output_ids[:i]])).logits[0, -1]
+            out.append(float(torch.log_softmax(logits / (temperature or 1.0), -1)[token]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def shared_double(tiny_qwen3):
+    with double(str(tiny_qwen3), token_delay=0.02, ignore_eos=True) as url:
+        yield url
+
+
+# configuration ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("field", "value"), [("weight_sync", "rsync"), ("group_backend", "mpi"), ("url", "ftp://x"),
+                                              ("request_timeout", 0), ("port", 70000), ("tp_size", 0)])
+def test_a_bad_config_names_the_field(field, value):
+    from services.rollout.engines.sglang_engine import SGLangConfig
+
+    with pytest.raises(ValueError, match=f"engine.sglang.{field}"):
+        SGLangConfig(**{field: value})
+
+
+def test_the_engine_kind_builds_an_sglang_engine(tiny_qwen3):
+    from services.rollout.config import RolloutEngineConfig
+    from services.rollout.engines.base import Engine, engine_name
+    from services.rollout.engines.sglang_engine import SGLangConfig
+
+    engine = RolloutEngineConfig(kind="sglang", model_path=str(tiny_qwen3), max_context=256,
+                                 sglang=SGLangConfig(url="http://127.0.0.1:1")).build()
+    assert isinstance(engine, Engine) and engine_name(engine) == "sglang" and engine.vocab_size == 264
+    with pytest.raises(ValueError, match="engine.kind"):
+        RolloutEngineConfig(kind="sglang-rs")
+    with pytest.raises(ValueError, match="engine.dtype"):
+        SGLangConfig().build(model_path=str(tiny_qwen3), max_batch=1, max_context=64, dtype="float8")
+    with pytest.raises(ValueError, match="engine.model_path"):
+        SGLangConfig().build(model_path=str(ROOT), max_batch=1, max_context=64)
+
+
+def test_a_reply_off_the_schema_is_refused():
+    from services.rollout.engines.sglang_engine import _Malformed, parse_generate_reply
+
+    good = {"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "length", "length": 2},
+                                                "output_token_logprobs": [[-0.5, 5, None], [-1.5, 6, None]]}}
+    assert parse_generate_reply(good) == ([5, 6], [-0.5, -1.5], "length")
+    for bad in ({"text": "x"}, {"meta_info": {"finish_reason": None}},
+                {"meta_info": {"output_token_logprobs": [[-0.5]]}},
+                {**good, "output_ids": [5, 7]}):
+        with pytest.raises(_Malformed):
+            parse_generate_reply(bad)
+
+
+# generation over HTTP ---------------------------------------------------------------------------------------------
+
+def test_tokens_and_logprobs_match_a_fresh_forward(shared_double, tiny_qwen3):
+    engine = engine_for(shared_double, str(tiny_qwen3))
+    engine.start()
+
+    async def run():
+        sampled = await engine.generate(PROMPTS[0], Sampling(temperature=0.7, top_k=0, max_new_tokens=10), n=2)
+        greedy = await engine.generate(PROMPTS[1], Sampling(temperature=0.0, max_new_tokens=6))
+        return sampled, greedy
+
+    try:
+        sampled, greedy = asyncio.run(run())
+    finally:
+        engine.stop()
+    assert engine.model_info["model_path"] == str(tiny_qwen3) and engine.server_info["tp_size"] == 1
+    for seq, temperature in [(sampled[0], 0.7), (sampled[1], 0.7), (greedy[0], 0.0)]:
+        assert seq.finish_reason in ("stop", "length") and seq.output_ids and seq.versions == [0] * len(seq.output_ids)
+        assert seq.logprobs == pytest.approx(expected_logprobs(str(tiny_qwen3), seq, temperature, {}), abs=1e-4)
+
+
+def test_abort_fires_the_callback_once_and_tells_the_server(shared_double, tiny_qwen3):
+    engine = engine_for(shared_double, str(tiny_qwen3))
+    finished = []
+
+    async def run():
+        seq = engine.submit(PROMPTS[0], Sampling(max_new_tokens=200), finished.append)
+        await asyncio.sleep(0.3)
+        engine.abort(seq)
+        engine.abort(seq)
+        await asyncio.sleep(0.5)
+        return seq
+
+    try:
+        seq = asyncio.run(run())
+    finally:
+        engine.stop()
+    assert finished == [seq] and seq.finish_reason == "abort" and seq.status is Status.FINISHED
+    s = state(shared_double)
+    assert any(r.startswith(f"meshrl-{seq.seq_id}-") for r in s["aborted_rids"]) and s["running"] == 0
+
+
+# interruption and weight updates ----------------------------------------------------------------------------------
+
+def test_versions_per_token_across_pause_update_resume(tiny_qwen3, tmp_path):
+    with double(str(tiny_qwen3), token_delay=0.03, ignore_eos=True) as url:
+        engine = engine_for(url, str(tiny_qwen3), weight_sync="disk", weights_dir=str(tmp_path / "w"))
+        engine.start()
+        new = {}
+
+        async def run():
+            loop = asyncio.get_running_loop()
+            futures = [loop.create_future() for _ in PROMPTS]
+            seqs = [engine.submit(p, Sampling(temperature=1.0, max_new_tokens=40),
+                                  lambda s, f=f: f.set_result(s)) for p, f in zip(PROMPTS, futures, strict=True)]
+            await asyncio.sleep(0.5)
+            await engine.pause_async()
+            held = [(list(s.output_ids), list(s.versions)) for s in seqs]
+            assert state(url)["paused"] and engine.paused
+            await asyncio.sleep(0.2)   # paused: nothing moves
+            assert [(s.output_ids, s.versions) for s in seqs] == held
+            params = engine.named_parameters()
+            params[LAYER].add_(0.05 * torch.randn_like(params[LAYER]))
+            new[LAYER] = params[LAYER].clone()
+            await engine.resume_async(1)
+            await asyncio.wait_for(asyncio.gather(*futures), 120)
+            return seqs, held
+
+        try:
+            seqs, held = asyncio.run(run())
+        finally:
+            engine.stop()
+        assert state(url)["weight_version"] == "1" and engine.version == 1 and engine.stats.weight_updates == 1
+    assert (tmp_path / "w" / "v1" / "model.safetensors").is_file()
+    for seq, (ids_before, _) in zip(seqs, held, strict=True):
+        k = len(ids_before)
+        assert seq.output_ids[:k] == ids_before and seq.versions == [0] * k + [1] * (len(seq.output_ids) - k)
+        assert seq.logprobs == pytest.approx(expected_logprobs(str(tiny_qwen3), seq, 1.0, {1: new}), abs=1e-4)
+    assert any(0 in s.versions and 1 in s.versions for s in seqs), "no sequence was cut by the pause"
+
+
+def test_distributed_update_broadcasts_into_the_server(tiny_qwen3):
+    with double(str(tiny_qwen3)) as url:
+        engine = engine_for(url, str(tiny_qwen3), weight_sync="distributed", group_backend="gloo",
+                            control_timeout=60)
+        engine.start()
+        new = {}
+
+        async def run():
+            await engine.pause_async()
+            params = engine.named_parameters()
+            params[LAYER].mul_(-1.0)
+            new[LAYER] = params[LAYER].clone()
+            await engine.resume_async(3)
+            return (await engine.generate(PROMPTS[1], Sampling(temperature=0.0, max_new_tokens=6)))[0]
+
+        try:
+            seq = asyncio.run(run())
+        finally:
+            engine.stop()
+        assert state(url)["updates"] == 1 and state(url)["weight_version"] == "3"
+    assert seq.versions == [3] * len(seq.output_ids)
+    assert seq.logprobs == pytest.approx(expected_logprobs(str(tiny_qwen3), seq, 0.0, {3: new}), abs=1e-4)
+
+
+# a server that does not answer --------------------------------------------------------------------------------------
+
+@pytest.fixture
+def silent_server():
+    """Accepts connections and never answers."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    held, stop = [], threading.Event()
+
+    def accept():
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                held.append(listener.accept()[0])
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    stop.set()
+    thread.join(5)
+    for conn in held:
+        conn.close()
+    listener.close()
+
+
+def test_a_server_that_does_not_answer_fails_within_the_timeouts(silent_server, tiny_qwen3):
+    engine = engine_for(silent_server, str(tiny_qwen3), startup_timeout=1.5, request_timeout=1.0,
+                        control_timeout=1.0)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="engine.sglang.startup_timeout"):
+        engine.start()
+    assert time.monotonic() - started < 10
+
+    async def run():
+        started = time.monotonic()
+        seqs = await asyncio.wait_for(engine.generate(PROMPTS[0], Sampling(max_new_tokens=4)), 10)
+        assert seqs[0].finish_reason == "abort" and time.monotonic() - started < 5   # redelivered, not dead-lettered
+        with pytest.raises(Exception) as info:
+            await asyncio.wait_for(engine.pause_async(), 10)
+        assert not isinstance(info.value, TimeoutError) or "wait_for" not in str(info.value)
+        assert not engine.paused
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.stop()

@@ -16,6 +16,10 @@ for its own check.
   megatron_train     (CUDA only) the tiny Qwen3 converted HF -> Megatron (services.trainer.megatron), TP=1 PP=1
                      GPTModel: logits and vocab-parallel log-probs match the HF model's, then a few AdamW steps
                      of the decoupled PPO loss on vocab_parallel_logp: loss decreases
+  sglang             (CUDA, sglang installed; skipped otherwise) the SGLang engine starts a real SGLang server on the
+                     tiny Qwen3 (random weights, saved to a temp dir): generate, then pause, an in-place update
+                     (/update_weights_from_disk), resume; per-token versions, and the log-probs of every token
+                     against a fresh HF forward of the weights of its version
 """
 
 from __future__ import annotations
@@ -425,10 +429,85 @@ def _megatron_train(device, steps: int = 6) -> dict[str, Any]:
         dist.destroy_process_group()
 
 
+def check_sglang(device) -> dict[str, Any]:
+    import importlib.util
+
+    if device.type != "cuda":
+        return {"ok": False, "skipped": True, "detail": f"SGLang needs CUDA here (device {device})"}
+    if importlib.util.find_spec("sglang") is None:
+        return {"ok": False, "skipped": True, "detail": "sglang is not installed (pip install sglang)"}
+    import asyncio
+    import tempfile
+
+    from services.rollout.engines.sequence import Sampling
+    from services.rollout.engines.sglang_engine import SGLangConfig
+
+    model = _tiny(0)
+    with tempfile.TemporaryDirectory(prefix="meshrl-sglang-check-") as tmp:
+        model_dir = pathlib.Path(tmp) / "model"
+        model.save_pretrained(model_dir)
+        _save_byte_tokenizer(model_dir)
+        engine = SGLangConfig(weights_dir=str(pathlib.Path(tmp) / "weights"), startup_timeout=180.0,
+                              mem_fraction_static=0.3).build(model_path=str(model_dir), max_batch=8, max_context=256)
+        engine.start()
+        layer = "model.layers.0.mlp.down_proj.weight"
+
+        async def run():
+            loop = asyncio.get_running_loop()
+            futures = [loop.create_future() for _ in range(4)]
+            prompts = [[72 + i, 101, 108, 108, 111] for i in range(4)]
+            seqs = [engine.submit(p, Sampling(temperature=1.0, max_new_tokens=64), lambda s, f=f: f.set_result(s))
+                    for p, f in zip(prompts, futures, strict=True)]
+            await asyncio.sleep(0.05)
+            await engine.pause_async()
+            params = engine.named_parameters()
+            params[layer].mul_(-1.0)
+            await engine.resume_async(1)
+            await asyncio.wait_for(asyncio.gather(*futures), 120)
+            return seqs
+
+        try:
+            seqs = asyncio.run(run())
+        finally:
+            engine.stop()
+        new = {layer: -model.state_dict()[layer].clone()}
+        err = _logprob_error(model, seqs, {1: new})
+        versions_ok = all(s.versions == sorted(s.versions) and set(s.versions) <= {0, 1} for s in seqs)
+        both = sum(0 in s.versions and 1 in s.versions for s in seqs)
+        tokens = sum(len(s.output_ids) for s in seqs)
+        return {"ok": versions_ok and err < 2e-2,
+                "detail": {"with_both_versions": both, "logprob_max_err": err, "tokens": tokens,
+                           "server_version": engine.server_info.get("version"),
+                           "weight_updates": engine.stats.weight_updates}}
+
+
+def _save_byte_tokenizer(model_dir: pathlib.Path) -> None:
+    """SGLang loads a tokenizer with the model: the tiny model's character-level one."""
+    from services.trainer.models.tiny_qwen3 import build_tokenizer
+
+    build_tokenizer().save_pretrained(model_dir)
+
+
+def _logprob_error(model, seqs, weights_by_version: dict) -> float:
+    """The largest |log-prob - fresh forward| over every token, each under the weights of its version (T = 1)."""
+    import torch
+
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    worst = 0.0
+    model = model.float().eval()
+    with torch.no_grad():
+        for seq in seqs:
+            for i, (token, version) in enumerate(zip(seq.output_ids, seq.versions, strict=True)):
+                model.load_state_dict({**base, **weights_by_version.get(version, {})}, strict=False)
+                logits = model(input_ids=torch.tensor([seq.prompt_ids + seq.output_ids[:i]])).logits[0, -1]
+                worst = max(worst, abs(float(torch.log_softmax(logits.float(), -1)[token]) - seq.logprobs[i]))
+    return worst
+
+
 CHECKS = {"engine": check_engine, "engine_throughput": check_engine_throughput, "trainer_step": check_trainer_step,
           "trainer_backends": check_trainer_backends,
           "weight_exchange": check_weight_exchange, "megatron": check_megatron,
-          "megatron_train": check_megatron_train}
+          "megatron_train": check_megatron_train, "sglang": check_sglang}
 
 
 # running -----------------------------------------------------------------------------------------------------------

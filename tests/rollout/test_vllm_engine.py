@@ -71,7 +71,7 @@ def test_engine_kind_and_vllm_settings_are_checked():
     assert config.engine.kind == "vllm" and config.engine.vllm.kv_cache_gib == 2
     assert load_config(RolloutConfig, "rollout", env={}).engine.kind == "embedded"  # the default
     with pytest.raises(ConfigError, match="engine.kind"):
-        load_config(RolloutConfig, "rollout", env={}, overrides={"engine": {"kind": "sglang"}})
+        load_config(RolloutConfig, "rollout", env={}, overrides={"engine": {"kind": "tensorrt"}})
     for bad, field in (({"url": "localhost:8000"}, "vllm.url"), ({"logprobs_mode": "raw_logits"}, "vllm.logprobs_mode"),
                        ({"startup_timeout": 0}, "vllm.startup_timeout"), ({"kv_cache_gib": 0}, "vllm.kv_cache_gib"),
                        ({"port": 70000}, "vllm.port")):

@@ -14,11 +14,9 @@ default one), so both sides meet without a default process group in either proce
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import pathlib
 import shutil
-import struct
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,7 +25,7 @@ WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
 def write_checkpoint(tensors: Mapping[str, Any], model_path: str, directory: str, version: int) -> str:
-    """`directory`/v<version>: model.safetensors with `tensors` (streamed, no copy) and links to the model's
+    """`directory`/v<version>: model.safetensors with `tensors` (copied to CPU tensor by tensor) and links to the model's
     other files; older versions there are removed once this one is complete. Returns the new directory."""
     root = pathlib.Path(directory)
     out = root / f"v{version}"
@@ -47,25 +45,14 @@ def write_checkpoint(tensors: Mapping[str, Any], model_path: str, directory: str
 
 
 def _write_safetensors(tensors: Mapping[str, Any], path: pathlib.Path) -> None:
-    # written by hand: safetensors' own writer refuses tensors that share one storage, which the stage's views do
-    import torch
+    # one copy per tensor: safetensors refuses tensors that share a storage, which the stage's views do
+    from safetensors.torch import save_file
 
-    header: dict[str, Any] = {}
-    offset = 0
     for name, t in tensors.items():
         dtype = str(t.dtype).removeprefix("torch.")
         if dtype not in SAFETENSORS_DTYPES:
             raise ValueError(f"{name}: dtype {dtype} cannot be written (expected {', '.join(SAFETENSORS_DTYPES)})")
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    with open(path, "wb") as fh:
-        fh.write(struct.pack("<Q", len(blob)))
-        fh.write(blob)
-        for t in tensors.values():
-            fh.write(memoryview(t.detach().contiguous().view(-1).view(torch.uint8).numpy()))
+    save_file({name: t.detach().to("cpu", copy=True).contiguous() for name, t in tensors.items()}, str(path))
 
 
 def open_group(address: str, port: int, *, rank: int, world_size: int, backend: str, group_name: str,

@@ -1,5 +1,5 @@
 """bench.gpu_check on the CPU: the same checks the GPU machine runs, each in its own subprocess; every one passes
-here except megatron-core's forward, which needs CUDA (reported as skipped)."""
+here except megatron-core's forward and the SGLang server, which need CUDA (reported as skipped)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ def test_every_check_passes_on_cpu(capsys):
         assert set(result) >= {"check", "ok", "seconds", "detail"}
         if name in ("megatron", "megatron_train"):   # their forward needs CUDA
             assert result["ok"] or result.get("skipped"), result
+        elif name == "sglang":                       # needs CUDA: never runs here
+            assert result.get("skipped") and "CUDA" in result["detail"], result
         else:
             assert result["ok"], result
     assert code == 0

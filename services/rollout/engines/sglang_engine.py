@@ -35,11 +35,7 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import pathlib
-import shlex
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -50,21 +46,16 @@ import uuid
 
 import httpx
 
-from services.common.logging import get_logger
-from services.rollout.engines.base import check_request
-from services.rollout.engines.sequence import Sampling, Sequence, Status
-from services.rollout.engines.vllm_engine import (
-    ROOT,
-    _die_with_parent,
-    _eos_ids,
+from services.rollout.engines.sequence import Sequence, Status
+from services.rollout.engines.server_engine import (
+    ServerEngine,
+    ServerStats,
     _free_port,
-    _in_loop,
     _Live,
     _RequestRefused,
-    _resolve,
+    engine_args,
 )
 
-DTYPES = ("float32", "bfloat16")
 WEIGHT_SYNCS = ("disk", "distributed", "none")
 GROUP_BACKENDS = ("nccl", "gloo")  # gloo: CPU tensors (tests); nccl: GPU tensors
 GROUP_NAME = "meshrl_weight_update"
@@ -123,74 +114,30 @@ class SGLangConfig:
 
     def build(self, *, model_path: str, max_batch: int, max_context: int, dtype: str = "float32", seed: int = 0,
               version: int = 0, run_dir: str = "") -> SGLangEngine:
-        if dtype not in DTYPES:
-            raise ValueError(f"engine.dtype: must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        if max_batch < 1:
-            raise ValueError(f"engine.max_batch: must be >= 1, got {max_batch}")
-        if max_context < 2:
-            raise ValueError(f"engine.max_context: must be >= 2, got {max_context}")
-        model = pathlib.Path(model_path)
-        if not (model / "config.json").is_file():
-            raise ValueError(f"engine.model_path: {model_path!r} is not a Hugging Face model directory (config.json)")
-        config = json.loads((model / "config.json").read_text())
-        vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
-        return SGLangEngine(self, model_path=str(model), max_batch=max_batch, max_context=max_context, dtype=dtype,
-                            seed=seed, version=version, vocab_size=int(vocab) if vocab else None,
-                            eos_token_ids=_eos_ids(model, config), run_dir=run_dir)
+        return SGLangEngine(self, **engine_args(model_path=model_path, max_batch=max_batch, max_context=max_context,
+                                                dtype=dtype, seed=seed, version=version, run_dir=run_dir))
 
 
-@dataclasses.dataclass
-class SGLangStats:
-    tokens_generated: int = 0
-    sequences_finished: int = 0
-    weight_updates: int = 0
-    interrupted_sequences: int = 0
-    sequences_aborted: int = 0
-    sequences_failed: int = 0
-    steps_failed: int = 0            # requests the server failed (HTTP errors, malformed replies)
-    steps: int = 0                   # /generate replies read
-    busy_seconds: float = 0.0        # wall seconds with at least one request in flight
-    requests: int = 0                # /generate requests sent (a resumed sequence sends another)
-    weight_load_seconds: float = 0.0
+SGLangStats = ServerStats
 
 
-class SGLangEngine:
+class SGLangEngine(ServerEngine):
     kind = "sglang"
+    name = "sglang"
+    server_name = "SGLang"
+    weights_off = "engine.sglang.weight_sync is none"
+    startup_poll = 0.5
+    watch_ping_timeout = 20.0
 
-    def __init__(self, config: SGLangConfig, *, model_path: str, max_batch: int, max_context: int, dtype: str,
-                 seed: int, version: int, vocab_size: int | None, eos_token_ids: tuple[int, ...],
-                 run_dir: str = "") -> None:
-        self.config = config
-        self.model_path = model_path
-        self.max_batch = max_batch
-        self._max_context = max_context
-        self.dtype = dtype
-        self.seed = seed
-        self.version = version
-        self.vocab_size = vocab_size
-        self.eos_token_ids = eos_token_ids
-        self.run_dir = run_dir
-        self.stats = SGLangStats()
-        self.url = config.url.rstrip("/")
-        self.process: subprocess.Popen | None = None
-        self.stage = None
+    def __init__(self, config: SGLangConfig, **engine_args) -> None:
+        super().__init__(config, **engine_args)
         self.group = None
         self.model_info: dict = {}
         self.server_info: dict = {}
-        self.log = get_logger().bind(engine="sglang")
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._client: httpx.AsyncClient | None = None
-        self._live: dict[Sequence, _Live] = {}
-        self._gate: asyncio.Event | None = None       # set while requests may be sent
-        self._idle: asyncio.Event | None = None       # set while no request is in flight
-        self._control: asyncio.Lock | None = None     # one pause / resume at a time
-        self._inflight = 0
-        self._busy_since = 0.0
-        self._pause_requests = 0
-        self._paused = False
-        self._stopped = False
-        self._log_handle = None
-        self.log_path = ""
+
+    @property
+    def connect_timeout(self) -> float:
+        return self.config.connect_timeout
 
     # lifecycle -----------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -216,11 +163,7 @@ class SGLangEngine:
     def _launch(self) -> None:
         c = self.config
         port = c.port or _free_port(c.host)
-        python = pathlib.Path(c.python) if c.python else pathlib.Path(sys.executable)
-        if not python.is_absolute():
-            python = ROOT / python
-        if not python.exists():
-            raise RuntimeError(f"engine.sglang.python: {python} does not exist")
+        python = self._server_python(c.python or sys.executable)
         args = [str(python), "-m", "sglang.launch_server", "--model-path", self.model_path, "--host", c.host,
                 "--port", str(port), "--dtype", self.dtype, "--context-length", str(self._max_context),
                 "--max-running-requests", str(self.max_batch), "--random-seed", str(self.seed),
@@ -228,37 +171,13 @@ class SGLangEngine:
         if c.mem_fraction_static:
             args += ["--mem-fraction-static", str(c.mem_fraction_static)]
         args += list(c.extra_args)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH", "")])])
-        log_file = c.log_file or (str(pathlib.Path(self.run_dir) / "sglang-server.log") if self.run_dir else "")
-        if log_file:
-            pathlib.Path(log_file).parent.mkdir(parents=True, exist_ok=True)
-            self._log_handle = open(log_file, "ab")  # noqa: SIM115 - open for the server's lifetime
-        else:
-            self._log_handle = tempfile.NamedTemporaryFile(prefix="meshrl-sglang-", suffix=".log", delete=False)
-        self.log_path = self._log_handle.name
-        self.url = f"http://{c.host}:{port}"
-        self.log.info("sglang_starting", url=self.url, log=self.log_path, command=shlex.join(args))
-        self.process = subprocess.Popen(args, cwd=str(ROOT), env=env, stdout=self._log_handle,
-                                        stderr=subprocess.STDOUT, start_new_session=True,
-                                        preexec_fn=_die_with_parent)
+        self._spawn(args, self._server_env(), c.host, port)
 
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.config.startup_timeout
-        while True:
-            if self.process is not None and self.process.poll() is not None:
-                raise RuntimeError(f"SGLang server exited with {self.process.returncode} while starting "
-                                   f"(see {self.log_path}): {self._log_tail()}")
-            try:
-                _request("GET", self.url + "/health", None, min(5.0, self.config.connect_timeout))
-                return
-            except (OSError, urllib.error.URLError, RuntimeError):
-                pass
-            if time.monotonic() >= deadline:
-                self._kill()
-                raise TimeoutError(f"SGLang server at {self.url} not healthy within {self.config.startup_timeout}s "
-                                   f"(engine.sglang.startup_timeout): {self._log_tail()}")
-            time.sleep(0.5)
+    def _ping(self, timeout: float) -> None:
+        _request("GET", self.url + "/health", None, timeout)
+
+    def _startup_ping_timeout(self) -> float:
+        return min(5.0, self.config.connect_timeout)
 
     def _get_json(self, path: str) -> dict:
         return json.loads(_request("GET", self.url + path, None, self.config.control_timeout) or "{}")
@@ -295,127 +214,16 @@ class SGLangEngine:
         if "error" in reply or not json.loads(reply.get("body") or "{}").get("success", False):
             raise RuntimeError(f"SGLang /init_weights_update_group failed: {reply.get('error') or reply.get('body')}")
 
-    def _log_tail(self, n: int = 2000) -> str:
-        with contextlib.suppress(OSError):
-            return pathlib.Path(self.log_path).read_bytes()[-n:].decode(errors="replace") if self.log_path else ""
-        return ""
-
-    def stop(self) -> None:
-        """End every unfinished sequence with "abort", stop a server this engine started, drop the stage."""
-        self._stopped = True
-        for seq, live in list(self._live.items()):
-            for task in (live.attempt, live.driver):
-                if task is not None and not task.done():
-                    task.cancel()
-            self._finish(seq, "abort")
-        self._live.clear()
-        if self._client is not None and self._loop is not None and self._loop.is_running():
-            client, self._client = self._client, None
-            if _in_loop(self._loop):
-                self._loop.create_task(client.aclose())
-            else:
-                asyncio.run_coroutine_threadsafe(client.aclose(), self._loop)
+    def _close_weight_channel(self) -> None:
         if self.group is not None:
             from services.rollout.engines.sglang_weights import close_group
 
             close_group(self.group)
             self.group = None
-        self._kill()
-        if self.stage is not None:
-            self.stage.close()
-            self.stage = None
 
-    async def watch(self, stop: asyncio.Event, interval: float = 5.0) -> None:
-        """Until `stop`: raise when a started server exits, or when the server fails /health three times in a row."""
-        failures = 0
-        while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), interval)
-            if stop.is_set() or self._stopped:
-                return
-            if self.process is not None and self.process.poll() is not None:
-                raise RuntimeError(f"the SGLang server exited with {self.process.returncode}: {self._log_tail(1000)}")
-            try:
-                await asyncio.to_thread(_request, "GET", self.url + "/health", None, 20.0)
-                failures = 0
-            except (OSError, urllib.error.URLError, RuntimeError) as exc:
-                failures += 1
-                self.log.warning("sglang_unhealthy", url=self.url, failures=failures, error=str(exc))
-                if failures >= 3:
-                    raise RuntimeError(f"the SGLang server at {self.url} failed /health {failures} times") from exc
-
-    def _kill(self) -> None:
-        proc, self.process = self.process, None
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
-        if self._log_handle is not None:
-            self._log_handle.close()
-            self._log_handle = None
-
-    # the engine interface ---------------------------------------------------------------------------------------
-    @property
-    def paused(self) -> bool:
-        return self._paused
-
-    @property
-    def max_context(self) -> int:
-        return self._max_context
-
-    def num_running(self) -> int:
-        return sum(s.status is Status.RUNNING for s in self._live)
-
-    def num_waiting(self) -> int:
-        return sum(s.status is Status.WAITING for s in self._live)
-
-    def named_parameters(self):
-        if self.stage is None:
-            raise RuntimeError("engine.sglang.weight_sync is none (or the engine is not started): no weights to "
-                               "write into")
-        return dict(self.stage.tensors)
-
-    def check(self, prompt_ids: list[int], sampling: Sampling, n: int = 1) -> None:
-        check_request(prompt_ids, sampling, n, max_context=self._max_context, vocab_size=self.vocab_size)
-
-    def submit(self, prompt_ids: list[int], sampling: Sampling, on_finish=None, *, priority: bool = False) -> Sequence:
-        """Admit one sequence (call on the event loop's thread)."""
-        self.check(prompt_ids, sampling)
-        if self._stopped:
-            raise RuntimeError("engine stopped")
-        self._bind_loop()
-        seq = Sequence(prompt_ids=list(prompt_ids), sampling=sampling, on_finish=on_finish, priority=priority)
-        live = _Live()
-        self._live[seq] = live
-        live.driver = self._loop.create_task(self._drive(seq, live), name=f"sglang-seq-{seq.seq_id}")
-        return seq
-
-    def abort(self, seq: Sequence) -> None:
-        """Stop `seq` (any thread): from the moment this returns its ids no longer change."""
-        live = self._live.get(seq)
-        if live is None or seq.status is Status.FINISHED:
-            return
-        live.aborted = True
-        if self._loop is not None and not _in_loop(self._loop):
-            self._loop.call_soon_threadsafe(self._abort_now, seq)
-        else:
-            self._abort_now(seq)
-
-    def _abort_now(self, seq: Sequence) -> None:
-        live = self._live.get(seq)
-        if live is not None:
-            rid = getattr(live, "rid", "")
-            if rid and self._client is not None:  # frees the server's slot; the reply no longer matters
-                self._loop.create_task(self._tell_abort(rid))
-            for task in (live.attempt, live.driver):
-                if task is not None and not task.done():
-                    task.cancel()
-        self._finish(seq, "abort")
+    def _tell_server_aborted(self, live: _Live) -> None:
+        if live.rid and self._client is not None:  # frees the server's slot; the reply no longer matters
+            self._loop.create_task(self._tell_abort(live.rid))
 
     async def _tell_abort(self, rid: str) -> None:
         try:
@@ -423,88 +231,39 @@ class SGLangEngine:
         except Exception as exc:  # noqa: BLE001 - the sequence has ended here either way
             self.log.warning("sglang_abort_request_failed", rid=rid, error=f"{type(exc).__name__}: {exc}")
 
-    async def generate(self, prompt_ids: list[int], sampling: Sampling, n: int = 1) -> list[Sequence]:
-        self.check(prompt_ids, sampling, n)
-        loop = asyncio.get_running_loop()
-        futures = [loop.create_future() for _ in range(n)]
-        seqs = [self.submit(prompt_ids, sampling, lambda s, f=f: _resolve(f, s)) for f in futures]
-        await asyncio.gather(*futures)
-        return seqs
+    # pause, resume, weights --------------------------------------------------------------------------------------
+    async def _pause_server(self, timeout: float) -> None:
+        await self._post("/pause_generation", {"mode": "abort"}, timeout=timeout)
+        try:
+            await asyncio.wait_for(self._idle.wait(), min(PAUSE_GRACE, timeout))
+        except TimeoutError:
+            self._interrupt_in_flight()  # sent as the pause began: the server holds it, we drop it
+            await asyncio.wait_for(self._idle.wait(), timeout)
 
-    # interruption -----------------------------------------------------------------------------------------------
-    async def pause_async(self, timeout: float | None = None) -> None:
-        """Stop sending, have the server abort what is in flight (those sequences resume later); pauses nest."""
-        self._bind_loop()
-        timeout = timeout or self.config.control_timeout
-        async with self._control:
-            self._pause_requests += 1
-            if self._paused:
-                return
-            try:
-                self._gate.clear()
-                await self._post("/pause_generation", {"mode": "abort"}, timeout=timeout)
-                try:
-                    await asyncio.wait_for(self._idle.wait(), min(PAUSE_GRACE, timeout))
-                except TimeoutError:
-                    for live in self._live.values():  # sent as the pause began: the server holds it, we drop it
-                        if live.attempt is not None and not live.attempt.done():
-                            live.interrupted = True
-                            live.attempt.cancel()
-                    await asyncio.wait_for(self._idle.wait(), timeout)
-            except BaseException:
-                self._pause_requests -= 1
-                if not self._pause_requests:
-                    with contextlib.suppress(Exception):
-                        await self._post("/continue_generation", {}, timeout=self.config.connect_timeout)
-                    self._gate.set()
-                raise
-            self._paused = True
+    async def _undo_failed_pause(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._post("/continue_generation", {}, timeout=self.config.connect_timeout)
 
-    async def resume_async(self, version: int | None = None) -> None:
-        """Undo one pause; with a new `version`, the server loads the stage first and later tokens carry it."""
-        self._bind_loop()
-        async with self._control:
-            failure: BaseException | None = None
-            if version is not None and version != self.version:
-                try:
-                    await self._load_weights(version)
-                except Exception as exc:  # noqa: BLE001 - resumed at the old version, then raised
-                    self.log.warning("sglang_weight_load_failed", version=version, kept=self.version,
-                                     error=f"{type(exc).__name__}: {exc}")
-                    failure = exc
-            self._pause_requests = max(0, self._pause_requests - 1)
-            if not self._pause_requests and self._paused:
-                await self._post("/continue_generation", {}, timeout=self.config.control_timeout)
-                self._paused = False
-                self._gate.set()
-            if failure is not None:
-                raise failure
+    async def _resume_server(self) -> None:
+        await self._post("/continue_generation", {}, timeout=self.config.control_timeout)
 
-    async def _load_weights(self, version: int) -> None:
-        if self.stage is None:
-            raise RuntimeError(f"engine.sglang.weight_sync is none: cannot load version {version}")
-        if not self._paused:
-            raise RuntimeError(f"load version {version}: the engine is not paused")
-        started = time.monotonic()
-        timeout = self.config.control_timeout
+    async def _send_weights(self, version: int) -> dict:
         if self.config.weight_sync == "disk":
             from services.rollout.engines.sglang_weights import write_checkpoint
 
             path = await asyncio.to_thread(write_checkpoint, self.stage.tensors, self.model_path, self._weights_dir(),
                                            version)
             reply = await self._post("/update_weights_from_disk", {
-                "model_path": path, "weight_version": str(version), "flush_cache": True}, timeout=timeout)
+                "model_path": path, "weight_version": str(version), "flush_cache": True},
+                timeout=self.config.control_timeout)
         else:
             reply = await self._broadcast(version)
         if not (reply or {}).get("success", False):
             raise RuntimeError(f"SGLang weight update to version {version} failed: {reply}")
-        self.stats.weight_load_seconds += time.monotonic() - started
-        self.stats.weight_updates += 1
-        self.stats.interrupted_sequences += sum(live.interrupted or s.status is Status.WAITING
-                                                for s, live in self._live.items())
-        self.log.info("sglang_weights_loaded", version=version, sync=self.config.weight_sync,
-                      seconds=round(time.monotonic() - started, 3))
-        self.version = version
+        return {"sync": self.config.weight_sync}
+
+    def _count_interrupted(self) -> int:
+        return sum(live.interrupted or s.status is Status.WAITING for s, live in self._live.items())
 
     async def _broadcast(self, version: int) -> dict | None:
         from services.rollout.engines.sglang_weights import broadcast_tensors
@@ -534,88 +293,11 @@ class SGLangEngine:
             self._temp_weights = tempfile.mkdtemp(prefix="meshrl-sglang-weights-")
         return self._temp_weights
 
-    # HTTP --------------------------------------------------------------------------------------------------------
-    def _bind_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        if self._loop is None or self._loop is not loop or self._client is None:
-            if self._loop is not None and self._loop is not loop and self._live:
-                raise RuntimeError("SGLangEngine: used from a second event loop while sequences run")
-            self._loop = loop
-            c = self.config
-            limits = httpx.Limits(max_connections=c.max_connections, max_keepalive_connections=c.max_connections)
-            self._client = httpx.AsyncClient(base_url=self.url, limits=limits,
-                                             timeout=httpx.Timeout(c.request_timeout, connect=c.connect_timeout))
-            self._gate = asyncio.Event()
-            if not self._paused:
-                self._gate.set()
-            self._idle = asyncio.Event()
-            self._idle.set()
-            self._control = asyncio.Lock()
+    def _control_timeout(self, timeout: float) -> httpx.Timeout:
+        return httpx.Timeout(timeout, connect=self.config.connect_timeout)
 
-    async def _post(self, path: str, body: dict, *, timeout: float) -> dict | None:
-        response = await self._client.post(path, json=body,
-                                           timeout=httpx.Timeout(timeout, connect=self.config.connect_timeout))
-        if response.status_code != 200:
-            raise RuntimeError(f"SGLang {path}: HTTP {response.status_code}: {response.text[:500]}")
-        with contextlib.suppress(ValueError):
-            return response.json()
-        return None
-
-    async def _drive(self, seq: Sequence, live: _Live) -> None:
-        """Send `seq` (again after each interruption) until it finishes."""
-        try:
-            while seq.status is not Status.FINISHED:
-                await self._gate.wait()
-                if seq.status is Status.FINISHED or live.aborted:
-                    return
-                remaining = min(seq.sampling.max_new_tokens - len(seq.output_ids),
-                                self._max_context - len(seq.context))
-                if remaining <= 0:
-                    self._finish(seq, "length")
-                    return
-                live.interrupted = False
-                seq.status = Status.RUNNING
-                self._inflight += 1
-                if self._inflight == 1:
-                    self._idle.clear()
-                    self._busy_since = time.monotonic()
-                live.attempt = asyncio.ensure_future(self._generate_once(seq, live, remaining, self.version))
-                try:
-                    await asyncio.wait({live.attempt})
-                finally:
-                    self._inflight -= 1
-                    if self._inflight == 0:
-                        self.stats.busy_seconds += time.monotonic() - self._busy_since
-                        self._idle.set()
-                attempt, live.attempt = live.attempt, None
-                if attempt is None or attempt.cancelled():
-                    if live.interrupted and not live.aborted:
-                        seq.status = Status.WAITING
-                        continue
-                    self._finish(seq, "abort")
-                    return
-                error = attempt.exception()
-                if error is not None:
-                    # the request's own fault (HTTP 4xx, a malformed reply): "error", its work is dead-lettered;
-                    # the server's (gone, 5xx, a timeout): "abort", its work is redelivered
-                    own = isinstance(error, _RequestRefused | _Malformed) and getattr(error, "status", 400) < 500
-                    self.stats.steps_failed += 1
-                    self.log.warning("sglang_request_failed", seq_id=seq.seq_id, error=f"{type(error).__name__}: {error}")
-                    self._finish(seq, "error" if own else "abort")
-                    return
-                reason = attempt.result()
-                if reason == "abort" and not live.aborted and not self._gate.is_set():
-                    seq.status = Status.WAITING
-                    continue  # /pause_generation ended it: its tokens are kept, the rest is asked for after resume
-                self._finish(seq, reason if reason in ("stop", "length", "abort") else "error")
-        except asyncio.CancelledError:
-            self._finish(seq, "abort")
-            raise
-        finally:
-            if seq.status is Status.FINISHED:
-                self._live.pop(seq, None)
-
-    async def _generate_once(self, seq: Sequence, live: _Live, max_tokens: int, version: int) -> str:
+    # one sequence -----------------------------------------------------------------------------------------------
+    async def _send(self, seq: Sequence, live: _Live, max_tokens: int, version: int) -> str:
         """One /generate for the rest of `seq`; appends what it returns; returns the finish reason type."""
         s = seq.sampling
         live.rid = f"meshrl-{seq.seq_id}-{uuid.uuid4().hex[:8]}"
@@ -639,16 +321,13 @@ class SGLangEngine:
                 seq.first_token_at = time.perf_counter()
         return reason
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        if seq.status is Status.FINISHED:
-            return
-        seq.status = Status.FINISHED
-        seq.finish_reason = reason
-        self.stats.sequences_finished += 1
-        self.stats.sequences_aborted += reason == "abort"
-        self.stats.sequences_failed += reason == "error"
-        if seq.on_finish is not None:
-            seq.on_finish(seq)
+    def _own_fault(self, error: BaseException) -> bool:
+        return isinstance(error, _RequestRefused | _Malformed) and getattr(error, "status", 400) < 500
+
+    def _outcome(self, reason: str, live: _Live) -> str | None:
+        if reason == "abort" and not live.aborted and not self._gate.is_set():
+            return None  # /pause_generation ended it: its tokens are kept, the rest is asked for after resume
+        return reason if reason in ("stop", "length", "abort") else "error"
 
 
 class _Malformed(RuntimeError):

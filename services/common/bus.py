@@ -387,6 +387,22 @@ async def consume(bus: Bus, consumer: str, decode: Callable[[Msg], M],
             await sub.unsubscribe()
 
 
+FOLLOW_CHECK_EVERY = 5  # idle fetches between checks that a follower's consumer still exists and delivers
+
+
+class StaleFollower(RuntimeError):
+    """A follower's consumer holds messages it does not deliver (its one replica was on a lost cluster node)."""
+
+
+async def _check_follower(sub) -> None:
+    """Raise when the consumer is gone (NotFoundError) or has messages pending that fetches do not return: the
+    caller re-creates it where it stopped. An ephemeral R1 consumer dies with its node and fetches on it only
+    time out, which would leave a follower waiting forever."""
+    info = await sub.consumer_info()
+    if info.num_pending:
+        raise StaleFollower(f"{info.num_pending} messages pending but none fetched")
+
+
 async def follow(bus: Bus, subject: str, decode: Callable[[Msg], M], handle: Callable[[M], object],
                  stop: asyncio.Event, *, caught_up: asyncio.Event | None = None, stream: str = "EVENTS") -> None:
     """Every message on `subject` from the start of its stream, in order, until `stop` is set.
@@ -398,6 +414,7 @@ async def follow(bus: Bus, subject: str, decode: Callable[[Msg], M], handle: Cal
     log = get_logger().bind(follow=subject)
     next_seq = 1
     delay = 0.2
+    idle = 0
     while not stop.is_set():
         try:
             sub = await bus.js.pull_subscribe(subject, stream=stream, config=ConsumerConfig(
@@ -415,7 +432,11 @@ async def follow(bus: Bus, subject: str, decode: Callable[[Msg], M], handle: Cal
                 except (TimeoutError, nats.errors.TimeoutError):
                     if caught_up is not None:
                         caught_up.set()  # nothing pending
+                    idle += 1
+                    if idle % FOLLOW_CHECK_EVERY == 0:
+                        await _check_follower(sub)
                     continue
+                idle = 0
                 delay = 0.2
                 for msg in msgs:
                     seq = msg.metadata.sequence.stream

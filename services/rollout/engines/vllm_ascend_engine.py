@@ -19,6 +19,7 @@ import contextlib
 import os
 from collections.abc import Mapping
 from typing import Any
+from unittest import mock  # patch.dict: set and restore environment variables around the launch
 
 from services.common.device import check_device, resolve_device
 from services.common.logging import get_logger
@@ -58,7 +59,7 @@ class VLLMAscendEngine(VLLMEngine):
 
     def _launch(self) -> None:
         _, _, index = self.device.partition(":")
-        with _environ(ASCEND_RT_VISIBLE_DEVICES=index) if index else contextlib.nullcontext():
+        with mock.patch.dict(os.environ, {"ASCEND_RT_VISIBLE_DEVICES": index}) if index else contextlib.nullcontext():
             super()._launch()
 
 
@@ -71,17 +72,3 @@ def receiver_layout(rank_id: str, params: Mapping[str, Any], spec, **parallel) -
 
     return live_layout(rank_id, params, spec, LAYOUT_ENGINE, **parallel), receiver_views(LAYOUT_ENGINE, params)
 
-
-@contextlib.contextmanager
-def _environ(**values: str):
-    """Set environment variables around a subprocess launch (the vLLM engine builds the server's env from ours)."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v

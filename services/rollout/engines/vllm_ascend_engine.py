@@ -71,4 +71,3 @@ def receiver_layout(rank_id: str, params: Mapping[str, Any], spec, **parallel) -
     from services.weight_exchange.client.layouts.live import live_layout, receiver_views
 
     return live_layout(rank_id, params, spec, LAYOUT_ENGINE, **parallel), receiver_views(LAYOUT_ENGINE, params)
-

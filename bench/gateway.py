@@ -275,7 +275,7 @@ async def main(args: argparse.Namespace) -> None:
     from services.rollout.engines.torch_engine import EmbeddedEngine
     from services.trainer.models.tiny_qwen3 import TinyQwen3Config, build_tokenizer, padded_vocab_size
 
-    torch.set_num_threads(1)  # as EngineConfig does: the engine thread is much faster without a second intra-op thread
+    torch.set_num_threads(1)  # as EngineConfig.build does: one OpenMP team in the process, the engine thread's
     torch.manual_seed(0)
     tok = build_tokenizer()
     model = TinyQwen3Config(max_position_embeddings=4096).build(padded_vocab_size(tok), eos_token_id=tok.eos_token_id)

@@ -20,8 +20,6 @@ import random
 import sys
 import time
 
-import torch
-
 from services.rollout.engines.sequence import Sampling
 from services.rollout.engines.torch_engine import EngineConfig
 
@@ -81,7 +79,7 @@ def run(model_path: str, *, rounds: int, prompts_per_round: int, group: int, max
             "cpu_seconds_per_round": round(sorted(cpu)[len(cpu) // 2], 4),
             "tokens_per_cpu_second": round(tokens / sum(cpu), 1), "steps_per_round": steps / rounds,
             "engine_busy_seconds_per_round": round(busy / (rounds + 1), 4), "arrival_seconds": arrival,
-            "torch_threads": torch.get_num_threads(), "dtype": dtype}
+            "torch_threads": engine.torch_threads, "dtype": dtype}
 
 
 def profile_thread(model_path: str, *, rounds: int, prompts_per_round: int, group: int, max_new_tokens: int,

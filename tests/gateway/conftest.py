@@ -11,7 +11,7 @@ from tests.gateway.policies import calculator_replies, random_engine, scripted_e
 
 @pytest.fixture(scope="package", autouse=True)
 def one_torch_thread():
-    """Like EngineConfig(torch_threads=1): the engine's own thread is far faster without a second intra-op thread."""
+    """As EngineConfig.build does: this thread stays at one OpenMP thread, so the engine's is the only team."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -40,7 +40,7 @@ class EngineConfig:
     max_batch: int = 64
     max_context: int = 512
     seed: int = 0
-    torch_threads: int = 1
+    torch_threads: int = 1       # OpenMP threads of the engine's thread (the one that runs the model); 0: torch's default
     initial_version: int = 0
     device: str = "cpu"          # cpu | cuda | npu, or cuda:N / npu:N: weights, KV cache and sampling live there
     dtype: str = "float32"       # float32 | bfloat16: the weights and KV cache (weight sync casts what arrives to it)
@@ -52,8 +52,10 @@ class EngineConfig:
             raise ValueError(f"engine.dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 
     def build(self) -> EmbeddedEngine:
-        if self.torch_threads > 0:
-            torch.set_num_threads(self.torch_threads)
+        # This thread only loads; the engine's own thread runs the model with torch_threads (see _loop). A second
+        # OpenMP team in the process (this thread's) would make libgomp throttle its spin-waits: every parallel
+        # op got ~40% slower (a SmolLM2 bf16 decode step 44 -> 62 ms).
+        torch.set_num_threads(1)
         device = resolve_device(self.device)
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, self.dtype)).to(device)
         _own_memory(model)
@@ -61,7 +63,8 @@ class EngineConfig:
         return EmbeddedEngine(model, eos_token_id=tokenizer.eos_token_id,
                               pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
                               max_batch=self.max_batch, max_context=self.max_context, seed=self.seed,
-                              version=self.initial_version, prepack=self.prepack)
+                              version=self.initial_version, prepack=self.prepack,
+                              torch_threads=self.torch_threads)
 
 
 @dataclasses.dataclass
@@ -79,13 +82,15 @@ class EngineStats:
 
 class EmbeddedEngine:
     def __init__(self, model: PreTrainedModel, *, eos_token_id: int, pad_token_id: int, max_batch: int,
-                 max_context: int, seed: int, version: int = 0, prepack: bool = True) -> None:
+                 max_context: int, seed: int, version: int = 0, prepack: bool = True,
+                 torch_threads: int = 1) -> None:
         self.model = model
         self.version = version
         self.scheduler = Scheduler(max_batch=max_batch, eos_token_id=eos_token_id, max_context=max_context)
         self.vocab_size = _vocab_size(model)
         self.runner = ModelRunner(model, pad_token_id=pad_token_id, seed=seed, prepack=prepack)
         self.stats = EngineStats()
+        self.torch_threads = torch_threads
         self._cv = threading.Condition()
         self._pause_requests = 0
         self._paused = False
@@ -188,6 +193,8 @@ class EmbeddedEngine:
 
     # the loop -----------------------------------------------------------------------------------------------
     def _loop(self) -> None:
+        if self.torch_threads > 0:  # OpenMP's thread count belongs to each thread: a new one starts at the default
+            torch.set_num_threads(self.torch_threads)
         while True:
             with self._cv:
                 while not self._stopped and (self._pause_requests or not self.scheduler.has_work()):

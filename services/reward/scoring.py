@@ -96,6 +96,11 @@ class Scorer:
                    field: str = "verifier") -> Verdict:
         """ValueError naming the field for a task no verifier can score; a verification past the deadline is 0.
         `field` names where the verifier's name came from, for the error."""
+        return self._verdict(verifier, response, task, n_tokens=n_tokens, field=field, quick_only=False)
+
+    def _verdict(self, verifier: str, response: str, task: Mapping[str, Any], *, n_tokens: int | None, field: str,
+                 quick_only: bool) -> Verdict | None:
+        """`score_text`; with `quick_only`, None unless a bounded-time check settles it (no worker, no verifier run)."""
         name = verifier or self.default
         v = self.verifier(name, field)
         v.check(task)
@@ -106,6 +111,8 @@ class Scorer:
             n_tokens = self.count_tokens(response)
         verdict = self._quick(v, response, task)
         if verdict is None:
+            if quick_only:
+                return None
             verdict = self.pool.score(name, response, task, self.timeout_s) if v.isolated else v.score(response, task)
         return shaping.apply(terms, verdict, response, n_tokens)
 
@@ -119,6 +126,9 @@ class Scorer:
         return await asyncio.to_thread(self.score_text, verifier, response, task)
 
     def score(self, traj: data_pb2.Trajectory) -> data_pb2.Trajectory:
+        return self._score(traj, quick_only=False)
+
+    def _score(self, traj: data_pb2.Trajectory, *, quick_only: bool) -> data_pb2.Trajectory | None:
         validate_trajectory(traj, self.vocab_size)
         task = decode_metadata(traj.metadata)
         name, field = task.get("verifier"), "metadata.verifier"
@@ -131,14 +141,19 @@ class Scorer:
         except Exception as exc:  # noqa: BLE001 - whatever the tokenizer refuses, this message can never be scored
             raise InvalidMessage(f"completion_ids: cannot be decoded ({type(exc).__name__}: {exc})") from exc
         try:
-            verdict = self.score_text(name, text, task, n_tokens=len(traj.completion_ids), field=field)
+            verdict = self._verdict(name, text, task, n_tokens=len(traj.completion_ids), field=field,
+                                    quick_only=quick_only)
         except ValueError as exc:
             raise InvalidMessage(str(exc)) from exc
+        if verdict is None:
+            return None
         scored = data_pb2.Trajectory()
         scored.CopyFrom(traj)
         scored.reward, scored.scored, scored.scored_at, scored.verifier = verdict.reward, True, now(), name
         return scored
 
     async def score_async(self, traj: data_pb2.Trajectory) -> data_pb2.Trajectory:
-        """`score` on a worker thread: the event loop stays free while a verifier runs (up to its deadline)."""
-        return await asyncio.to_thread(self.score, traj)
+        """`score` without blocking the event loop: settled on the loop when a bounded-time check answers (no
+        thread hop per trajectory), else on a worker thread while the verifier runs (up to its deadline)."""
+        scored = self._score(traj, quick_only=True)
+        return scored if scored is not None else await asyncio.to_thread(self.score, traj)

@@ -16,6 +16,7 @@ import asyncio
 import importlib.util
 import json
 import os
+from unittest import mock
 
 from services.common.logging import configure_logging
 from services.weight_exchange.bench.runner import Case, run_case
@@ -33,17 +34,9 @@ def cases(quick: bool) -> list[tuple[Case, dict[str, str]]]:
 
 async def measure(quick: bool) -> None:
     for case, env in cases(quick):
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with mock.patch.dict(os.environ, env):
             for line in await run_case(case, "/tmp/meshrl-bench-weights"):
                 print(json.dumps(line), flush=True)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
 
 def main() -> None:

@@ -144,6 +144,7 @@ def child(case: Case) -> dict[str, float]:
     out["measured"] = max(out[f"step{s}_peak"] for s in range(case.steps))
     engine.close()
     if case.ranks > 1:
+        dist.barrier()  # no rank tears the group down while another still uses it
         dist.destroy_process_group()
     return out
 

@@ -9,6 +9,7 @@ tokens is recomputed under the new weights), while earlier tokens keep theirs.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -17,10 +18,25 @@ from services.rollout.engines.sequence import Sampling, Sequence
 MAX_SAMPLES = 1024  # samples of one prompt per call (Generate.n, PromptWork.group_size)
 
 
+@dataclasses.dataclass
+class EngineStats:
+    """What every engine counts. A step is one model step (embedded) or one reply or streamed chunk read (server
+    engines); busy_seconds is time in model steps (embedded) or with at least one request in flight (servers)."""
+    tokens_generated: int = 0
+    sequences_finished: int = 0
+    weight_updates: int = 0
+    interrupted_sequences: int = 0
+    sequences_aborted: int = 0
+    sequences_failed: int = 0   # ended with "error": a model step (or the server) failed on them
+    steps_failed: int = 0
+    steps: int = 0
+    busy_seconds: float = 0.0
+
+
 @runtime_checkable
 class Engine(Protocol):
     version: int            # the policy version of the weights loaded now (tags every token generated from now on)
-    stats: Any              # EngineStats: tokens_generated, sequences_finished, weight_updates, busy_seconds, ...
+    stats: EngineStats      # counters the Status RPC and the pause clock read
     vocab_size: int | None
 
     @property

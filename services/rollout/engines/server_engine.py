@@ -30,7 +30,7 @@ import urllib.request
 import httpx
 
 from services.common.logging import get_logger
-from services.rollout.engines.base import check_request
+from services.rollout.engines.base import EngineStats, check_request
 from services.rollout.engines.sequence import Sampling, Sequence, Status
 
 DTYPES = ("float32", "bfloat16")
@@ -57,16 +57,7 @@ def engine_args(*, model_path: str, max_batch: int, max_context: int, dtype: str
 
 
 @dataclasses.dataclass
-class ServerStats:
-    tokens_generated: int = 0
-    sequences_finished: int = 0
-    weight_updates: int = 0
-    interrupted_sequences: int = 0
-    sequences_aborted: int = 0
-    sequences_failed: int = 0
-    steps_failed: int = 0            # requests the server failed (HTTP errors, broken streams, malformed replies)
-    steps: int = 0                   # replies (or streamed chunks) read
-    busy_seconds: float = 0.0        # wall seconds with at least one request in flight
+class ServerStats(EngineStats):
     requests: int = 0                # generation requests sent (a resumed sequence sends another)
     weight_load_seconds: float = 0.0
 

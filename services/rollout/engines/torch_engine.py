@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from services.common.device import check_device, resolve_device
 from services.common.logging import get_logger
-from services.rollout.engines.base import check_request
+from services.rollout.engines.base import EngineStats, check_request
 from services.rollout.engines.runner import ModelRunner
 from services.rollout.engines.scheduler import Scheduler, Step
 from services.rollout.engines.sequence import Sampling, Sequence, Status
@@ -65,19 +65,6 @@ class EngineConfig:
                               max_batch=self.max_batch, max_context=self.max_context, seed=self.seed,
                               version=self.initial_version, prepack=self.prepack,
                               torch_threads=self.torch_threads)
-
-
-@dataclasses.dataclass
-class EngineStats:
-    tokens_generated: int = 0
-    sequences_finished: int = 0
-    weight_updates: int = 0
-    interrupted_sequences: int = 0
-    sequences_aborted: int = 0
-    sequences_failed: int = 0   # ended with "error": a model step failed on them
-    steps_failed: int = 0
-    steps: int = 0
-    busy_seconds: float = 0.0   # in model steps (schedule, forward, sampling, postprocess)
 
 
 class EmbeddedEngine:

@@ -13,10 +13,11 @@ at most that long; `score_async` keeps the event loop free (the consumer should 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 
@@ -28,6 +29,7 @@ from services.reward.verifiers import Verdict, Verifier, build_verifier, shaping
 from services.reward.verifiers.pool import VerifierPool, shared_pool
 
 DEFAULT_TIMEOUT_S = 10.0
+T = TypeVar("T")
 _ID = re.compile(r"[\x21-\x7e]{1,256}")  # ids travel in Nats-Msg-Id headers
 
 
@@ -96,11 +98,11 @@ class Scorer:
                    field: str = "verifier") -> Verdict:
         """ValueError naming the field for a task no verifier can score; a verification past the deadline is 0.
         `field` names where the verifier's name came from, for the error."""
-        return self._verdict(verifier, response, task, n_tokens=n_tokens, field=field, quick_only=False)
+        return self._verify(self._check(verifier, response, task, n_tokens=n_tokens, field=field))
 
-    def _verdict(self, verifier: str, response: str, task: Mapping[str, Any], *, n_tokens: int | None, field: str,
-                 quick_only: bool) -> Verdict | None:
-        """`score_text`; with `quick_only`, None unless a bounded-time check settles it (no worker, no verifier run)."""
+    def _check(self, verifier: str, response: str, task: Mapping[str, Any], *, n_tokens: int | None,
+               field: str) -> _Checked:
+        """Everything before the verification itself, and its bounded-time answer when there is one."""
         name = verifier or self.default
         v = self.verifier(name, field)
         v.check(task)
@@ -109,12 +111,14 @@ class Scorer:
             if self.count_tokens is None:
                 raise ValueError("metadata.shaping: max_tokens needs a token count here (use max_chars)")
             n_tokens = self.count_tokens(response)
-        verdict = self._quick(v, response, task)
+        return _Checked(name, v, response, task, terms, n_tokens, self._quick(v, response, task))
+
+    def _verify(self, c: _Checked) -> Verdict:
+        verdict = c.quick
         if verdict is None:
-            if quick_only:
-                return None
-            verdict = self.pool.score(name, response, task, self.timeout_s) if v.isolated else v.score(response, task)
-        return shaping.apply(terms, verdict, response, n_tokens)
+            verdict = (self.pool.score(c.name, c.response, c.task, self.timeout_s) if c.verifier.isolated
+                       else c.verifier.score(c.response, c.task))
+        return shaping.apply(c.terms, verdict, c.response, c.n_tokens)
 
     @staticmethod
     def _quick(v: Verifier, response: str, task: Mapping[str, Any]) -> Verdict | None:
@@ -126,9 +130,20 @@ class Scorer:
         return await asyncio.to_thread(self.score_text, verifier, response, task)
 
     def score(self, traj: data_pb2.Trajectory) -> data_pb2.Trajectory:
-        return self._score(traj, quick_only=False)
+        checked = self._check_trajectory(traj)
+        return _scored(traj, checked.name, _as_invalid(self._verify, checked))
 
-    def _score(self, traj: data_pb2.Trajectory, *, quick_only: bool) -> data_pb2.Trajectory | None:
+    async def score_async(self, traj: data_pb2.Trajectory) -> data_pb2.Trajectory:
+        """`score` without blocking the event loop: checked on the loop, and settled there when a bounded-time
+        check answers (no thread hop per trajectory); else verified on a worker thread (up to its deadline)."""
+        checked = self._check_trajectory(traj)
+        if checked.quick is not None:
+            verdict = _as_invalid(self._verify, checked)
+        else:
+            verdict = await asyncio.to_thread(_as_invalid, self._verify, checked)
+        return _scored(traj, checked.name, verdict)
+
+    def _check_trajectory(self, traj: data_pb2.Trajectory) -> _Checked:
         validate_trajectory(traj, self.vocab_size)
         task = decode_metadata(traj.metadata)
         name, field = task.get("verifier"), "metadata.verifier"
@@ -140,20 +155,31 @@ class Scorer:
             text = self.decode(list(traj.completion_ids))
         except Exception as exc:  # noqa: BLE001 - whatever the tokenizer refuses, this message can never be scored
             raise InvalidMessage(f"completion_ids: cannot be decoded ({type(exc).__name__}: {exc})") from exc
-        try:
-            verdict = self._verdict(name, text, task, n_tokens=len(traj.completion_ids), field=field,
-                                    quick_only=quick_only)
-        except ValueError as exc:
-            raise InvalidMessage(str(exc)) from exc
-        if verdict is None:
-            return None
-        scored = data_pb2.Trajectory()
-        scored.CopyFrom(traj)
-        scored.reward, scored.scored, scored.scored_at, scored.verifier = verdict.reward, True, now(), name
-        return scored
+        return _as_invalid(self._check, name, text, task, n_tokens=len(traj.completion_ids), field=field)
 
-    async def score_async(self, traj: data_pb2.Trajectory) -> data_pb2.Trajectory:
-        """`score` without blocking the event loop: settled on the loop when a bounded-time check answers (no
-        thread hop per trajectory), else on a worker thread while the verifier runs (up to its deadline)."""
-        scored = self._score(traj, quick_only=True)
-        return scored if scored is not None else await asyncio.to_thread(self.score, traj)
+
+@dataclasses.dataclass(frozen=True)
+class _Checked:
+    """A response whose task passed its checks, ready for its verifier; `quick` is its bounded-time verdict, if any."""
+    name: str
+    verifier: Verifier
+    response: str
+    task: Mapping[str, Any]
+    terms: list[shaping.Term]
+    n_tokens: int | None
+    quick: Verdict | None
+
+
+def _as_invalid(fn: Callable[..., T], *args, **kwargs) -> T:
+    """A trajectory's ValueError (its task, its verifier) is an InvalidMessage: it can never be scored."""
+    try:
+        return fn(*args, **kwargs)
+    except ValueError as exc:
+        raise InvalidMessage(str(exc)) from exc
+
+
+def _scored(traj: data_pb2.Trajectory, verifier: str, verdict: Verdict) -> data_pb2.Trajectory:
+    scored = data_pb2.Trajectory()
+    scored.CopyFrom(traj)
+    scored.reward, scored.scored, scored.scored_at, scored.verifier = verdict.reward, True, now(), verifier
+    return scored

@@ -138,11 +138,12 @@ def test_anything_but_two_integers_goes_to_a_worker(gold, completion, reward):
 
 
 async def test_score_async_settles_quick_verdicts_on_the_loop_and_the_rest_on_a_worker_thread(pool, monkeypatch):
-    hops: list[str] = []
+    hops = 0
     to_thread = asyncio.to_thread
 
     async def counting_to_thread(fn, *args, **kwargs):
-        hops.append(args[0].trajectory_id)
+        nonlocal hops
+        hops += 1
         return await to_thread(fn, *args, **kwargs)
 
     monkeypatch.setattr("services.reward.scoring.asyncio.to_thread", counting_to_thread)
@@ -150,9 +151,12 @@ async def test_score_async_settles_quick_verdicts_on_the_loop_and_the_rest_on_a_
     plain = await scorer.score_async(traj(trajectory_id="plain", completion_ids=[ord(c) for c in "so 42"],
                                           versions=[0] * 5, behavior_logprobs=[-1.0] * 5, loss_mask=[1] * 5))
     wrong = await scorer.score_async(traj(trajectory_id="wrong", completion_ids=[ord(c) for c in "41"]))
+    assert hops == 0  # both settled on the loop
     symbolic = await scorer.score_async(symbolic_traj(trajectory_id="symbolic"))
+    assert hops == 1  # math-verify: one hop to a scorer thread
     assert (plain.reward, wrong.reward, symbolic.reward) == (1.0, 0.0, 1.0)
     assert plain.scored and plain.verifier == "math" and plain.trajectory_id == "plain"
-    assert hops == ["symbolic"]
+    assert symbolic.scored and symbolic.trajectory_id == "symbolic"
     with pytest.raises(InvalidMessage, match="loss_mask"):  # refused on the loop too
         await scorer.score_async(traj(loss_mask=[1, 7]))
+    assert hops == 1

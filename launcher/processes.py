@@ -155,7 +155,8 @@ class NatsCluster:
     """Three (or `size`) real nats-servers with JetStream in one cluster `meshrl`, each with its own store.
 
     `url` is the comma-separated list of the client URLs (what services take as `nats_url`). `start()` returns
-    once the JetStream meta leader is elected; `kill(i)` and `start_node(i)` stop and bring back one node.
+    once the meta leader sees every node online (a stream replicated on all of them can be placed); `kill(i)`
+    and `start_node(i)` stop and bring back one node.
     `authorization`, `config_dir` (node i's file: `nats-n<i>.conf`), `route_auth` and `connect_options` (for the
     readiness probe): as for NatsServer.
     """
@@ -204,7 +205,7 @@ class NatsCluster:
             node.detach = value
 
     def start(self, timeout: float = 30.0) -> None:
-        """Start every node, then wait until JetStream answers (a meta leader is elected)."""
+        """Start every node, then wait until every node is a placeable JetStream peer."""
         for node in self.nodes:
             node.spawn()
         for node in self.nodes:
@@ -220,12 +221,12 @@ class NatsCluster:
                 pass
 
     def start_node(self, i: int, *, timeout: float = 30.0) -> None:
-        """Start node `i` again (same ports and store) and wait until JetStream answers through it."""
+        """Start node `i` again (same ports and store) and wait until it is a placeable peer, asking through it."""
         self.nodes[i].start(timeout)
         self.wait_jetstream(timeout, urls=[self.nodes[i].url])
 
     def wait_jetstream(self, timeout: float = 30.0, *, urls: Sequence[str] | None = None) -> None:
-        run_sync(jetstream_ready(list(urls or self.urls), timeout, **self.connect_options))
+        run_sync(jetstream_ready(list(urls or self.urls), timeout, replicas=len(self.nodes), **self.connect_options))
 
     def stop(self, timeout: float = 10.0) -> None:
         for node in self.nodes:
@@ -235,10 +236,19 @@ class NatsCluster:
             node.stop(timeout)
 
 
-async def jetstream_ready(urls: Sequence[str], timeout: float, **connect_options) -> None:
-    """Until `account_info()` succeeds through one of `urls` (so a JetStream meta leader exists), or TimeoutError.
-    `connect_options`: credentials for `nats.connect`."""
+READY_PROBE = "MESHRL_READY"  # a memory stream created and deleted again by jetstream_ready(replicas > 1)
+
+
+async def jetstream_ready(urls: Sequence[str], timeout: float, *, replicas: int = 1, **connect_options) -> None:
+    """Until JetStream answers through one of `urls`, or TimeoutError.
+
+    Answering is `account_info()` succeeding (a meta leader exists). With `replicas` > 1 it is also placing a
+    stream of that many replicas: a meta leader counts a node that has just joined or come back as an offline
+    peer for a moment, and refuses such a stream ("no suitable peers for placement"). `connect_options`:
+    credentials for `nats.connect` (a user that may create and delete the probe stream).
+    """
     import nats
+    from nats.js.api import StorageType
 
     async def quiet(*_args) -> None:
         return None
@@ -254,9 +264,15 @@ async def jetstream_ready(urls: Sequence[str], timeout: float, **connect_options
                 last = exc
                 continue
             try:
-                await nc.jetstream(timeout=1.0).account_info()
+                js = nc.jetstream(timeout=2.0)
+                await js.account_info()
+                if replicas > 1:
+                    await js.add_stream(name=READY_PROBE, subjects=[f"_meshrl.{READY_PROBE}"],
+                                        num_replicas=replicas, storage=StorageType.MEMORY)
+                    await js.delete_stream(READY_PROBE)
                 return
-            except Exception as exc:  # no meta leader yet ("JetStream system temporarily unavailable") or timeout
+            except Exception as exc:  # no meta leader yet ("JetStream system temporarily unavailable"), a peer
+                # still offline, or a timeout
                 last = exc
             finally:
                 await nc.close()

@@ -70,3 +70,30 @@ def join_cpu_group(rank: int, world: int, store: str, timeout_s: float = 120) ->
         torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                                          timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def leave_cpu_group() -> None:
+    """End a test rank whose results are written: wait for every peer, release the groups, exit 0.
+
+    The barrier keeps a rank from tearing its group down while a peer still uses it. Exiting with `os._exit`
+    skips interpreter finalization, where a gloo group still referenced (Megatron's parallel state, a model's
+    layers) is destroyed with the GIL already gone; that rarely aborts a finished rank ("terminate called
+    without an active exception", exit -6).
+    """
+    import gc
+    import os
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    try:
+        from megatron.core import parallel_state
+    except ImportError:
+        pass
+    else:
+        parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    gc.collect()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -46,6 +46,11 @@ T = TypeVar("T")
 
 DAY = 86400.0
 PUBLISH_DEADLINE = 300.0   # seconds a publish keeps retrying through an outage before it raises
+class PeersOffline(ConnectionError):
+    """JetStream cannot place a replicated stream yet: a cluster node is (still) offline to the meta leader."""
+
+
+NO_SUITABLE_PEERS = 10005  # JetStream's err_code for "no suitable peers for placement"
 TRANSIENT = (nats.errors.TimeoutError, TimeoutError, nats.errors.NoRespondersError,
              nats.errors.ConnectionReconnectingError, nats.errors.ConnectionClosedError,
              nats.errors.OutboundBufferLimitError, nats.errors.StaleConnectionError,
@@ -185,7 +190,13 @@ class Bus:
                                   num_replicas=self.replicas)
             try:
                 await self.js.add_stream(config)
-            except nats.js.errors.BadRequestError:
+            except nats.js.errors.BadRequestError as exc:
+                if exc.err_code == NO_SUITABLE_PEERS and "offline" in (exc.description or ""):
+                    # a cluster forming or a node restarting: retried
+                    raise PeersOffline(f"stream {spec.name}: {exc.description}") from exc
+                if exc.err_code == NO_SUITABLE_PEERS:
+                    raise ValueError(f"nats_replicas: JetStream cannot place {self.replicas} replicas of stream "
+                                     f"{spec.name} ({exc.description}); use at most the cluster's node count") from exc
                 await self.js.update_stream(config)
         for spec in CONSUMERS.values():
             await self.js.add_consumer(spec.stream, self._consumer_config(spec))

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import nats
+import pytest
 from nats.js.api import StorageType
 
 from launcher.processes import NatsCluster, nats_server_binary
+from services.common.bus import Bus
 from tests.launcher.nats_helpers import quiet, retry
 
 
@@ -68,3 +71,14 @@ async def test_r3_stream_survives_a_node_down_and_the_node_comes_back(tmp_path):
             await nc.close()
         cluster.stop()
     assert not any(node.alive for node in cluster.nodes)
+
+
+
+async def test_more_replicas_than_nodes_is_a_clear_error_not_a_retry(tmp_path):
+    cluster = NatsCluster(tmp_path / "nats", log_dir=tmp_path / "logs")
+    cluster.start()
+    try:
+        with pytest.raises(ValueError, match="nats_replicas: JetStream cannot place 5 replicas"):
+            await asyncio.wait_for(Bus.connect(cluster.url, name="t", replicas=5, deadline=600), 30)
+    finally:
+        cluster.stop()

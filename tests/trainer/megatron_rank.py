@@ -17,7 +17,7 @@ import pathlib
 
 import torch
 
-from tests.ranks import join_cpu_group
+from tests.ranks import join_cpu_group, leave_cpu_group
 
 VOCAB, PADDED, TEMPERATURE = 300, 384, 0.7
 
@@ -156,8 +156,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     try:
         (convert if a.mode == "convert" else logp)(a, out)
-    finally:
+    except BaseException:
         torch.distributed.destroy_process_group()
+        raise
+    leave_cpu_group()
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import pathlib
 import torch
 import torch.nn.functional as F
 
-from tests.ranks import join_cpu_group
+from tests.ranks import join_cpu_group, leave_cpu_group
 
 
 def main() -> None:
@@ -69,7 +69,7 @@ def main() -> None:
     pathlib.Path(a.out).mkdir(parents=True, exist_ok=True)
     (pathlib.Path(a.out) / f"rank{a.rank}.json").write_text(json.dumps({"parallel": parallel, "params": params,
                                                                         "layers": layers}))
-    torch.distributed.destroy_process_group()
+    leave_cpu_group()
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ class TrainerConfig(ServiceConfig):
     keep_checkpoints: int = 2                           # newest resumable checkpoints kept in run_dir/checkpoints
     seed: int = 0
     dtype: str = "float32"                              # bfloat16: forward and backward under bf16 autocast
-    torch_threads: int = 1
+    torch_threads: int = 1                              # OpenMP threads of the thread that builds, steps and saves the model; 0: torch's default
     device: str = "cpu"                                 # cpu | cuda | npu, or cuda:N / npu:N: model, batches, optimizer
     backend: str = "torch"                              # torch (one process) | fsdp2 (sharded over ranks)
     ranks: int = 1                                      # trainer processes (fsdp2: data-parallel ranks; rank 0 serves)

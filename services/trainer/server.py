@@ -29,6 +29,7 @@ from services.common.rpc import Servicer, invalid_argument, start_server
 from services.common.service import supervise
 from services.trainer.batching import distinct_versions, pack, trajectory_staleness
 from services.trainer.checkpoint import MANIFEST, latest_checkpoint, prune_checkpoints, read_lineage, remove_leftovers
+from services.trainer.compute_thread import ComputeThread
 from services.trainer.config import TrainerConfig
 from services.trainer.engine import TrainerBackend, build_engine
 
@@ -45,20 +46,24 @@ NO_RETRY = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMEN
             grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 
-def setup_torch(config: TrainerConfig) -> None:
+def setup_torch(config: TrainerConfig) -> ComputeThread:
+    """Seed torch; the thread for the model's work, with `torch_threads` (the main thread is left at one)."""
     torch.manual_seed(config.seed)
-    if config.torch_threads > 0:
-        torch.set_num_threads(config.torch_threads)
+    return ComputeThread(config.torch_threads)
 
 
 class Trainer:
-    def __init__(self, config: TrainerConfig, bus: Bus, engine: TrainerBackend | None = None) -> None:
-        """``engine``: rank 0 of a rank group (``backends.leader.Leader``); else built here from ``config``."""
+    def __init__(self, config: TrainerConfig, bus: Bus, engine: TrainerBackend | None = None,
+                 compute: ComputeThread | None = None) -> None:
+        """``engine``: rank 0 of a rank group (``backends.leader.Leader``), with the ``compute`` thread that built it;
+        else both are made here from ``config``. Every model operation runs on ``compute``."""
         self.config = config
         self.bus = bus
         if engine is None:
-            setup_torch(config)
-            engine = build_engine(config)
+            compute = setup_torch(config)
+            engine = compute.call(build_engine, config)
+        assert compute is not None, "a given engine comes with the thread that built it"
+        self.compute = compute
         self.engine = engine
         self.version = 0
         self.trajectories_trained = 0
@@ -87,7 +92,7 @@ class Trainer:
         if path is None:
             self.log.info("fresh_start", version=self.version)
             return None
-        t = self.engine.restore(path)["trainer"]
+        t = self.compute.call(self.engine.restore, path)["trainer"]
         for key in COUNTERS:
             setattr(self, key, t[key])
         self.lineage = {key: list(value) for key, value in t["lineage"].items()}
@@ -140,7 +145,7 @@ class Trainer:
                   "phase_previous_weight_sync_seconds": self.last_sync, **pipeline_phases(batch)}
         started = now()
         async with self.lock:
-            metrics = await asyncio.to_thread(self._step, packed, self.version)
+            metrics = await self.compute.run(self._step, packed, self.version)
             self.version += 1
             self.lineage["batch_indices"].append(batch.index)
             self.lineage["batch_ids"].append(batch.batch_id)
@@ -158,7 +163,7 @@ class Trainer:
                       loss=round(metrics.get("loss", 0.0), 4), staleness=int(max(staleness)))
 
     def _step(self, packed, version: int) -> dict[str, float]:
-        """In a worker thread: the step, bracketed for the weight-sync sender (no torn reads)."""
+        """On the compute thread: the step, bracketed for the weight-sync sender (no torn reads)."""
         if self.sender is not None:
             self.sender.begin_update()
         metrics = {**self.engine.step(packed, version), **self.engine.last_phases}
@@ -243,7 +248,7 @@ class Trainer:
             version = self.version
             for attempt in range(CHECKPOINT_ATTEMPTS):
                 try:
-                    out = await asyncio.to_thread(self._save, target, version, not final)
+                    out = await self.compute.run(self._save, target, version, not final)
                     break
                 except OSError as exc:
                     self.log.error("checkpoint_failed", path=str(target), version=version, attempt=attempt + 1,
@@ -354,20 +359,20 @@ def pin_cpus(service: str) -> None:
 async def serve(config: TrainerConfig, stop: asyncio.Event) -> None:
     """One trainer rank: rank 0 is the service; the other ranks of a group follow its commands."""
     pin_cpus("trainer")
-    leader = None
+    leader, compute = None, None
     if config.ranks > 1:
         from services.trainer.backends.leader import Leader, follow
 
-        setup_torch(config)
-        engine = await asyncio.to_thread(build_engine, config)  # joins the group: every rank must arrive
+        compute = setup_torch(config)
+        engine = await compute.run(build_engine, config)  # joins the group: every rank must arrive
         if engine.rank != 0:
-            await follow_rank0(config, engine, stop, follow)
+            await follow_rank0(config, engine, compute, stop, follow)
             return
         leader = Leader(engine, config.rank_timeout)
         beat = asyncio.create_task(heartbeat(leader, stop), name="trainer-ranks-heartbeat")
         supervise([beat], stop)  # from here on: bus connection and resume may take a while
     try:
-        await serve_rank0(config, stop, leader)
+        await serve_rank0(config, stop, leader, compute)
     finally:
         if leader is not None:
             beat.cancel()
@@ -387,7 +392,7 @@ def weight_sender(config: TrainerConfig, engine):
                        transports=(config.weight_transport,), host=config.weight_host)
 
 
-async def follow_rank0(config: TrainerConfig, engine, stop: asyncio.Event, follow) -> None:
+async def follow_rank0(config: TrainerConfig, engine, compute: ComputeThread, stop: asyncio.Event, follow) -> None:
     """A rank > 0: rank 0's commands; with ``shard_sync``, also serving this rank's shards to the weight sync."""
     sender, tasks = None, []
     if config.wx_address and config.shard_sync:
@@ -396,7 +401,7 @@ async def follow_rank0(config: TrainerConfig, engine, stop: asyncio.Event, follo
         tasks.append(asyncio.create_task(sender.keep_registered(stop), name="wx_register"))
         supervise(tasks, stop)
     try:
-        await asyncio.to_thread(follow, engine, config.rank_timeout, stop, sender)
+        await compute.run(follow, engine, config.rank_timeout, stop, sender)
     finally:
         for task in tasks:
             task.cancel()
@@ -414,10 +419,11 @@ async def heartbeat(leader, stop: asyncio.Event) -> None:
             await asyncio.to_thread(leader.heartbeat)
 
 
-async def serve_rank0(config: TrainerConfig, stop: asyncio.Event, leader=None) -> None:
+async def serve_rank0(config: TrainerConfig, stop: asyncio.Event, leader=None,
+                      compute: ComputeThread | None = None) -> None:
     bus = await Bus.connect(config.nats_url, name=config.rank_id, replicas=config.nats_replicas,
                             **nats_credentials(config))
-    trainer = Trainer(config, bus, engine=leader)
+    trainer = Trainer(config, bus, engine=leader, compute=compute)
     trainer.resume()
     rpc = await start_server(config.grpc_address, [Servicer(
         trainer_pb2_grpc.add_TrainerServiceServicer_to_server, TrainerServicer(trainer),
@@ -454,4 +460,5 @@ async def serve_rank0(config: TrainerConfig, stop: asyncio.Event, leader=None) -
             await trainer.sender.close()
         await rpc.stop()
         await bus.close()
+        trainer.compute.close()
 

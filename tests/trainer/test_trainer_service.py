@@ -9,6 +9,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -226,3 +227,35 @@ async def test_a_sigkilled_trainer_process_restarts_and_finishes_the_run(nats_se
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         await bus.close()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+async def test_steps_run_on_the_compute_thread_with_torch_threads_and_the_main_thread_stays_at_one(
+        threads, nats_server, model_dir, tmp_path):
+    """One OpenMP team per process: a second one (the main thread's, from building the model) made libgomp throttle
+    its spin-waits and every parallel op slower."""
+    before = torch.get_num_threads()
+    bus = await Bus.connect(nats_server.url, name="test")
+    try:
+        await publish_batch(bus, training_batch(0))
+        trainer = Trainer(config_for(model_dir, tmp_path / "run", nats_server.url, torch_threads=threads), bus)
+        seen: list[tuple[str, int]] = []
+        step = trainer.engine.step
+
+        def recording_step(*args, **kwargs):
+            seen.append((threading.current_thread().name, torch.get_num_threads()))
+            return step(*args, **kwargs)
+
+        trainer.engine.step = recording_step
+        stop = asyncio.Event()
+        task = asyncio.create_task(trainer.run(stop))
+        await until(lambda: trainer.version == 1, what="batch 0")
+        stop.set()
+        await task
+        main_threads = torch.get_num_threads()
+        trainer.compute.close()
+    finally:
+        await bus.close()
+        torch.set_num_threads(before)
+    assert [(name.startswith("trainer-compute"), n) for name, n in seen] == [(True, threads)]
+    assert main_threads == 1

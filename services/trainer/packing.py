@@ -97,8 +97,8 @@ def _units(input_ids: torch.Tensor, lengths: list[int], prompts: list[int], budg
     if not share:
         return [(n, [i]) for i, n in enumerate(lengths)]
     groups: dict[tuple[int, ...], list[int]] = {}
-    for i, p in enumerate(prompts):
-        groups.setdefault(tuple(input_ids[i, :p].tolist()), []).append(i)
+    for i, (row, p) in enumerate(zip(input_ids.tolist(), prompts, strict=True)):
+        groups.setdefault(tuple(row[:p]), []).append(i)
     units = []
     for prompt, rows in groups.items():
         part, size = [], len(prompt)
@@ -113,47 +113,77 @@ def _units(input_ids: torch.Tensor, lengths: list[int], prompts: list[int], budg
     return units
 
 
+@dataclasses.dataclass
+class _Segments:
+    """Runs of consecutive tokens copied into the bins: a unit's prompt, then each of its rows' completions."""
+    bin: list[int] = dataclasses.field(default_factory=list)
+    start: list[int] = dataclasses.field(default_factory=list)     # column in the bin
+    length: list[int] = dataclasses.field(default_factory=list)
+    row: list[int] = dataclasses.field(default_factory=list)       # source row
+    column: list[int] = dataclasses.field(default_factory=list)    # source column (= the first token's position)
+    unit: list[int] = dataclasses.field(default_factory=list)
+    sequence: list[int] = dataclasses.field(default_factory=list)  # the row-part's id; -1 for a prompt
+
+    def add(self, *values: int) -> None:
+        for name, value in zip(("bin", "start", "length", "row", "column", "unit", "sequence"), values, strict=True):
+            getattr(self, name).append(value)
+
+    def tokens(self) -> tuple[torch.Tensor, ...]:
+        """Per token of every segment: (segment index, offset in the segment)."""
+        lengths = torch.tensor(self.length)
+        segment = torch.repeat_interleave(torch.arange(len(self.length)), lengths)
+        starts = torch.cumsum(lengths, 0) - lengths
+        return segment, torch.arange(int(lengths.sum())) - starts[segment]
+
+
 def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_lengths: torch.Tensor,
               config: PackingConfig, pad_token_id: int = 0) -> Packing:
     """Right-padded rows ([B, L], as batching.pack builds them) -> bins of at most ``config.max_tokens`` tokens
-    (a longer unit gets a bin of its own). Laid out on the host, then moved to the rows' device."""
+    (a longer unit gets a bin of its own). Laid out on the host in plain integers, copied with one gather and
+    scatter per tensor, then moved to the rows' device."""
     device, input_ids, attention_mask = input_ids.device, input_ids.cpu(), attention_mask.cpu()
     lengths = attention_mask.sum(-1)
     steps = torch.arange(attention_mask.shape[1] + 1)
     assert bool((attention_mask.cumsum(-1) == steps[1:].clamp(max=lengths.unsqueeze(-1))).all()), "rows must be right-padded"
+    length_of = lengths.tolist()
     prompts = (lengths - completion_lengths.cpu()).clamp(min=1).tolist()
-    units = _units(input_ids, lengths.tolist(), prompts, config.max_tokens, config.share_prompts)
-    sizes = [p + sum(int(lengths[i]) - p for i in rows) for p, rows in units]
+    units = _units(input_ids, length_of, prompts, config.max_tokens, config.share_prompts)
+    sizes = [p + sum(length_of[i] - p for i in rows) for p, rows in units]
     bins = first_fit_decreasing(sizes, config.max_tokens)
     width = max(sum(sizes[u] for u in b) for b in bins)
-    ids = torch.full((len(bins), width), pad_token_id, dtype=input_ids.dtype)
-    positions = torch.zeros((len(bins), width), dtype=torch.long)
-    sequence = torch.full((len(bins), width), -1, dtype=torch.long)  # a row-part's id; the prompt's is the unit's
-    unit_of = torch.full((len(bins), width), -1, dtype=torch.long)
-    rows_meta = {name: torch.zeros_like(lengths) for name in ("bin", "pstart", "plen", "cstart")}
+    segments, meta = _Segments(), [(0, 0, 0, 0)] * len(length_of)  # per row: bin, prompt start, length, rest start
     part = 0
     for b, members in enumerate(bins):
         at = 0
         for u in members:
             p, rows = units[u]
-            first = rows[0]
-            ids[b, at:at + p], positions[b, at:at + p] = input_ids[first, :p], steps[:p]
-            unit_of[b, at:at + p], sequence[b, at:at + p] = u, -1
+            segments.add(b, at, p, rows[0], 0, u, -1)
             pstart, at = at, at + p
             for i in rows:
-                n = int(lengths[i]) - p
-                ids[b, at:at + n], positions[b, at:at + n] = input_ids[i, p:p + n], steps[p:p + n]
-                unit_of[b, at:at + n], sequence[b, at:at + n] = u, part
-                for name, value in zip(rows_meta, (b, pstart, p, at), strict=True):
-                    rows_meta[name][i] = value
+                n = length_of[i] - p
+                segments.add(b, at, n, i, p, u, part)
+                meta[i] = (b, pstart, p, at)
                 at, part = at + n, part + 1
+    segment, offset = segments.tokens()
+    column = torch.tensor(segments.column)[segment] + offset
+    cell = torch.tensor(segments.bin)[segment] * width + torch.tensor(segments.start)[segment] + offset
+    ids = torch.full((len(bins) * width,), pad_token_id, dtype=input_ids.dtype)
+    ids[cell] = input_ids[torch.tensor(segments.row)[segment], column]
+    positions = torch.zeros(len(bins) * width, dtype=torch.long)
+    positions[cell] = column
+    sequence = torch.full((len(bins) * width,), -1, dtype=torch.long)  # a row-part's id; the prompt's is the unit's
+    sequence[cell] = torch.tensor(segments.sequence)[segment]
+    unit_of = torch.full((len(bins) * width,), -1, dtype=torch.long)
+    unit_of[cell] = torch.tensor(segments.unit)[segment]
+    ids, positions, sequence, unit_of = (t.view(len(bins), width) for t in (ids, positions, sequence, unit_of))
+    rows_meta = torch.tensor(meta, dtype=lengths.dtype).reshape(len(length_of), 4).unbind(-1)
     pad = unit_of < 0
     unit_of[pad] = -1 - torch.arange(int(pad.sum()))  # each pad token its own unit: it sees itself only
     same_unit = unit_of.unsqueeze(-1) == unit_of.unsqueeze(-2)
     own_row = (sequence.unsqueeze(-2) < 0) | (sequence.unsqueeze(-1) == sequence.unsqueeze(-2))  # key is a prompt or the query's own
     causal = torch.ones(width, width, dtype=torch.bool).tril()
     attention = (same_unit & own_row & causal).unsqueeze(1)
-    out = [t.to(device) for t in (ids, positions, attention, *rows_meta.values(), lengths)]
+    out = [t.to(device) for t in (ids, positions, attention, *rows_meta, lengths)]
     return Packing(*out, forward_tokens=int((~pad).sum()))
 
 

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -313,6 +314,10 @@ async def consume(bus: Bus, consumer: str, decode: Callable[[Msg], M],
                   manual_ack: bool = False) -> None:
     """Pull from a durable consumer until `stop` is set; ack after `handle` returns.
 
+    The ack is not confirmed by the server (no round trip per message): if it is lost (the connection drops
+    just then), the message comes back after the ack deadline and is handled again, which every handler
+    tolerates (its publishes carry the message's id, deduplicated by JetStream).
+
     Up to `concurrency` handlers run at once. A handler raising InvalidMessage dead-letters the
     message; any other error naks it for redelivery; a message delivered more than `max_deliver`
     times (failed, or its handler's process died) is dead-lettered with the reason. While a handler runs,
@@ -327,11 +332,12 @@ async def consume(bus: Bus, consumer: str, decode: Callable[[Msg], M],
     sub = await retry(lambda: bus.js.pull_subscribe_bind(durable=consumer, stream=spec.stream),
                       what=f"bind {consumer}", deadline=float("inf"))
     running: set[asyncio.Task] = set()
+    handling: dict[int, list] = {}  # id(message) -> [message, when its deadline was last extended] (keep-alive)
     log = get_logger().bind(consumer=consumer)
 
     async def process(msg: Msg) -> None:
         delivered = msg.metadata.num_delivered if msg.metadata else 1
-        heartbeat = asyncio.create_task(_keep_alive(msg, ack_wait / 3))
+        handling[id(msg)] = [msg, time.monotonic()]
         try:
             if delivered > spec.max_deliver:
                 await bus.dead_letter(consumer, msg, f"not acked after {delivered - 1} deliveries "
@@ -342,7 +348,7 @@ async def consume(bus: Bus, consumer: str, decode: Callable[[Msg], M],
                 await handle(decode(msg), msg)
             else:
                 await handle(decode(msg))
-                await msg.ack_sync(timeout=10.0)
+                await msg.ack()
         except InvalidMessage as exc:
             await bus.dead_letter(consumer, msg, str(exc))
             await msg.term()
@@ -354,7 +360,7 @@ async def consume(bus: Bus, consumer: str, decode: Callable[[Msg], M],
             else:
                 await msg.nak(delay=1.0)
         finally:
-            heartbeat.cancel()
+            handling.pop(id(msg), None)
 
     async def guarded(msg: Msg) -> None:
         try:
@@ -362,6 +368,7 @@ async def consume(bus: Bus, consumer: str, decode: Callable[[Msg], M],
         except Exception as exc:  # the bus went away while acking: the message comes back by redelivery
             log.warning("settle_failed", error=repr(exc))
 
+    keep_alive = asyncio.create_task(_keep_alive(handling, ack_wait / 3), name=f"keep-alive-{consumer}")
     delay = 0.2
     try:
         while not stop.is_set():
@@ -394,6 +401,9 @@ async def consume(bus: Bus, consumer: str, decode: Callable[[Msg], M],
     finally:
         if running:
             await asyncio.gather(*running, return_exceptions=True)
+        keep_alive.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await keep_alive
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
 
@@ -476,8 +486,14 @@ async def wait_either(a: asyncio.Event, b: asyncio.Event) -> None:
         task.cancel()
 
 
-async def _keep_alive(msg: Msg, every: float) -> None:
+async def _keep_alive(handling: dict[int, list], every: float) -> None:
+    """Every `every` s, extend the ack deadline of each message whose handler has run that long. One task per
+    consumer rather than one per message: most handlers finish long before."""
+    every = max(every, 0.5)
     while True:
-        await asyncio.sleep(max(every, 0.5))
-        with contextlib.suppress(Exception):
-            await msg.in_progress()
+        await asyncio.sleep(every / 2)
+        due = time.monotonic() - every
+        for entry in [e for e in handling.values() if e[1] <= due]:
+            entry[1] = time.monotonic()
+            with contextlib.suppress(Exception):
+                await entry[0].in_progress()

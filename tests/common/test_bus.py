@@ -55,6 +55,17 @@ async def collect(bus: Bus, consumer: str, n: int, handle=None, timeout: float =
     return got
 
 
+async def settled(bus: Bus, stream: str, consumer: str, timeout: float = 5.0):
+    """The consumer's info once the acks sent have been applied (an ack is not confirmed by the server), or as it
+    is after `timeout`."""
+    give_up = asyncio.get_running_loop().time() + timeout
+    while True:
+        info = await bus.js.consumer_info(stream, consumer)
+        if info.num_ack_pending == 0 or asyncio.get_running_loop().time() > give_up:
+            return info
+        await asyncio.sleep(0.05)
+
+
 async def dead_letters(bus: Bus, consumer: str, n: int) -> list[data_pb2.DeadLetter]:
     sub = await bus.js.subscribe(f"dlq.{consumer}", ordered_consumer=True)
     out = []
@@ -78,8 +89,38 @@ async def test_message_of_a_killed_consumer_is_redelivered_to_another(nats_serve
             proc.wait()
         got = await collect(bus, "reward", 1)
         assert [t.trajectory_id for t in got] == ["t-kill"]
-        info = await bus.js.consumer_info("TRAJ", "reward")
+        info = await settled(bus, "TRAJ", "reward")
         assert info.delivered.consumer_seq == 2 and info.num_ack_pending == 0  # delivered twice, acked once
+    finally:
+        await bus.close()
+
+
+async def test_a_handler_running_past_the_ack_deadline_keeps_its_message(nats_server):
+    """The consumer's keep-alive extends the deadline of a message whose handler runs long, so it is not delivered
+    again to the fetches the consumer keeps making meanwhile."""
+    bus = await Bus.connect(nats_server.url, name="test", ack_wait=ACK_WAIT)
+    started: list[str] = []
+    finished = asyncio.Event()
+    try:
+        await bus.publish(SUBJECT_TRAJ_RAW, traj("t-slow"), "t-slow")
+        await bus.publish(SUBJECT_TRAJ_RAW, traj("t-next"), "t-next")
+
+        async def handle(t: data_pb2.Trajectory) -> None:
+            started.append(t.trajectory_id)
+            if t.trajectory_id == "t-slow":
+                await asyncio.sleep(ACK_WAIT * 2.5)
+                finished.set()
+
+        stop = asyncio.Event()
+        task = asyncio.create_task(consume(bus, "reward", decoder(data_pb2.Trajectory), handle, stop, concurrency=2))
+        try:
+            await asyncio.wait_for(finished.wait(), 20)
+        finally:
+            stop.set()
+            await task
+        assert sorted(started) == ["t-next", "t-slow"]
+        info = await settled(bus, "TRAJ", "reward")
+        assert info.num_redelivered == 0 and info.num_ack_pending == 0
     finally:
         await bus.close()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -29,8 +30,23 @@ def main(service: str, config_cls: type[C], serve: Callable[[C, asyncio.Event], 
         print(f"meshrl {service}: configuration error: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc
     configure_logging(service, config.log_level)
+    pin_cpus(service)
     asyncio.run(_run(service, config, serve))
     raise SystemExit(EXIT_CODE)
+
+
+def pin_cpus(service: str) -> None:
+    """MESHRL_CPUS_<SERVICE> (e.g. "1" or "0,1"): run this process, and the processes it starts, on those CPUs only
+    (benchmarks give rollout and trainer a core each)."""
+    name = f"MESHRL_CPUS_{service.upper()}"
+    text = os.environ.get(name, "").strip()
+    if not text or not hasattr(os, "sched_setaffinity"):
+        return
+    try:
+        cpus = {int(c) for c in text.split(",")}
+    except ValueError:
+        raise ValueError(f"{name}: comma-separated CPU numbers, got {text!r}") from None
+    os.sched_setaffinity(0, cpus)
 
 
 async def _run(service: str, config: C, serve: Callable[[C, asyncio.Event], Awaitable[None]]) -> None:

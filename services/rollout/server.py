@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import pathlib
 import time
 
@@ -128,16 +127,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             dead_letters=self.r.dead_letters.counts)
 
 
-def pin_cpus(service: str) -> None:
-    """MESHRL_CPUS_<SERVICE> (e.g. "0" or "0,1"): run this process on those CPUs only (benchmarks pin rollout and
-    trainer to separate cores)."""
-    cpus = os.environ.get(f"MESHRL_CPUS_{service.upper()}", "")
-    if cpus and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
-
-
 async def serve(config: RolloutConfig, stop: asyncio.Event) -> None:
-    pin_cpus("rollout")
     engine = build_engine(config)
     if engine_name(engine) == "embedded":
         engine.start()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import pathlib
 
 import grpc
@@ -348,17 +347,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         return common_pb2.Ack(ok=True, message="training resumed")
 
 
-def pin_cpus(service: str) -> None:
-    """MESHRL_CPUS_<SERVICE> (e.g. "1" or "0,1"): run this process on those CPUs only (benchmarks pin rollout and
-    trainer to separate cores)."""
-    cpus = os.environ.get(f"MESHRL_CPUS_{service.upper()}", "")
-    if cpus and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
-
-
 async def serve(config: TrainerConfig, stop: asyncio.Event) -> None:
     """One trainer rank: rank 0 is the service; the other ranks of a group follow its commands."""
-    pin_cpus("trainer")
     leader, compute = None, None
     if config.ranks > 1:
         from services.trainer.backends.leader import Leader, follow

@@ -1,9 +1,10 @@
 """Asynchronous vs synchronous training on the same job: the default run config (tiny Qwen3, 64 prompts x 8
 samples per step) for a few steps at eta = 0 (synchronous: generation waits for the new weights), then at each
 asynchronous eta, with rollout and trainer pinned to separate cores (MESHRL_CPUS_ROLLOUT / MESHRL_CPUS_TRAINER)
-and one torch thread each.
+and one torch thread each. The other services float over both cores, or with `--others trainer` share the
+trainer's (generation, the longer phase of the default job, then has a core to itself).
 
-    python -m bench.async_speedup [--steps 40] [--etas 0,1,2] [--config configs/run.yaml] [--seed 0]
+    python -m bench.async_speedup [--steps 40] [--etas 0,1,2] [--config configs/run.yaml] [--seed 0] [--others float]
 
 One JSON line per case on stdout. Throughput is the steady state: the samples trained after the first step over
 the time from the first to the last TRAINED event (start-up, the first batch and the final evaluation are left
@@ -39,14 +40,22 @@ def case_plan(config: str, *, eta: int, steps: int, threads: int) -> dict:
     return plan
 
 
-def pin(enabled: bool) -> str:
-    """Rollout on the first CPU this process may use, trainer on the second (the other services float)."""
+OTHERS = ("reward", "builder", "weight_exchange")  # the services beside rollout and trainer (nats-server floats)
+
+
+def pin(enabled: bool, others: str = "float") -> str:
+    """Rollout on the first CPU this process may use, trainer on the second; the other services float over both
+    (`others` "float") or share the trainer's CPU ("trainer")."""
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    for key in ("MESHRL_CPUS_ROLLOUT", "MESHRL_CPUS_TRAINER"):
-        os.environ.pop(key, None)
+    for service in ("rollout", "trainer", *OTHERS):
+        os.environ.pop(f"MESHRL_CPUS_{service.upper()}", None)
     if not enabled or len(cpus) < 2:
         return ""
     os.environ["MESHRL_CPUS_ROLLOUT"], os.environ["MESHRL_CPUS_TRAINER"] = str(cpus[0]), str(cpus[1])
+    if others == "trainer":
+        for service in OTHERS:
+            os.environ[f"MESHRL_CPUS_{service.upper()}"] = str(cpus[1])
+        return f"rollout:{cpus[0]},trainer:{cpus[1]},{'+'.join(OTHERS)}:{cpus[1]}"
     return f"rollout:{cpus[0]},trainer:{cpus[1]}"
 
 
@@ -72,13 +81,13 @@ def phase_times(trained: list[dict]) -> tuple[float, float]:
 
 
 def run_case(config: str, *, eta: int, steps: int, seed: int, threads: int, pinned: bool, runs_root: pathlib.Path,
-             tmp: pathlib.Path) -> dict:
+             tmp: pathlib.Path, others: str = "float") -> dict:
     from launcher.stack import run
 
     plan = case_plan(config, eta=eta, steps=steps, threads=threads)
     path = tmp / f"eta{eta}.yaml"
     path.write_text(yaml.safe_dump(plan))
-    placement = pin(pinned)
+    placement = pin(pinned, others)
     name = f"async-eta{eta}"
     with contextlib.redirect_stdout(sys.stderr):  # the launcher prints its summary: keep stdout for JSON lines
         summary = run(str(path), name=name, seed=seed, runs_root=runs_root, progress=False)
@@ -108,6 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of rollout and trainer each")
     parser.add_argument("--no-pin", action="store_true", help="leave rollout and trainer unpinned")
+    parser.add_argument("--others", choices=("float", "trainer"), default="float",
+                        help="reward, builder and weight exchange: over both CPUs, or on the trainer's")
     parser.add_argument("--runs-root", default=str(ROOT / "runs" / "bench"))
     args = parser.parse_args(argv)
     etas = [int(e) for e in args.etas.split(",")]
@@ -119,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for eta in etas:
             cases.append(run_case(args.config, eta=eta, steps=args.steps, seed=args.seed, threads=args.threads,
-                                  pinned=not args.no_pin, runs_root=runs_root, tmp=pathlib.Path(tmp)))
+                                  pinned=not args.no_pin, runs_root=runs_root, tmp=pathlib.Path(tmp),
+                                  others=args.others))
     sync = cases[0]
     tt = sync["trainer_busy_seconds"]
     tg = max(0.0, sync["step_seconds"] - tt)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 
-from bench.async_speedup import phase_times, steady_state
+import pytest
+
+from bench.async_speedup import OTHERS, phase_times, pin, steady_state
 from launcher.phases import phase_report
 
 
@@ -41,3 +44,16 @@ def test_phase_report_joins_the_rollout_lines_draws_the_plot_and_names_the_bottl
     assert abs(summary["rollout"]["idle_seconds"] - 0.37) < 1e-9
     assert summary["trainer"]["weight_sync_seconds"] == 0.025, "step 1's sync, reported by step 2, belongs to step 1"
     assert summary["bottleneck"] == "rollout"
+
+
+def test_pin_puts_rollout_and_trainer_on_a_cpu_each_and_the_others_where_asked(monkeypatch):
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    monkeypatch.setenv("MESHRL_CPUS_REWARD", "7")  # left over from an earlier case: cleared
+    assert pin(True, "float") == f"rollout:{cpus[0]},trainer:{cpus[1]}"
+    assert (os.environ["MESHRL_CPUS_ROLLOUT"], os.environ["MESHRL_CPUS_TRAINER"]) == (str(cpus[0]), str(cpus[1]))
+    assert not any(f"MESHRL_CPUS_{s.upper()}" in os.environ for s in OTHERS)
+    assert pin(True, "trainer").startswith(f"rollout:{cpus[0]},trainer:{cpus[1]},")
+    assert all(os.environ[f"MESHRL_CPUS_{s.upper()}"] == str(cpus[1]) for s in OTHERS)
+    assert pin(False, "trainer") == "" and "MESHRL_CPUS_TRAINER" not in os.environ

@@ -63,3 +63,15 @@ def test_a_service_refuses_to_start_on_a_bad_key():
                           env={**os.environ, "MESHRL_BUILDER__BATCH_SIZ": "3"}, cwd=ROOT)
     assert proc.returncode == 2
     assert "builder.batch_siz: unknown key" in proc.stderr
+
+
+def test_a_service_runs_on_the_cpus_its_environment_names():
+    cpus = sorted(os.sched_getaffinity(0))
+    code = "import os; from services.common.service import pin_cpus; pin_cpus('reward'); print(sorted(os.sched_getaffinity(0)))"
+    root = pathlib.Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=root,
+                         env={**os.environ, "MESHRL_CPUS_REWARD": str(cpus[-1])})
+    assert run.stdout.strip() == f"[{cpus[-1]}]", run.stderr
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=root,
+                         env={**os.environ, "MESHRL_CPUS_REWARD": "one"})
+    assert "MESHRL_CPUS_REWARD: comma-separated CPU numbers, got 'one'" in run.stderr

@@ -47,6 +47,8 @@ T = TypeVar("T")
 
 DAY = 86400.0
 PUBLISH_DEADLINE = 300.0   # seconds a publish keeps retrying through an outage before it raises
+
+
 class PeersOffline(ConnectionError):
     """JetStream cannot place a replicated stream yet: a cluster node is (still) offline to the meta leader."""
 

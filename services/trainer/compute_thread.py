@@ -17,14 +17,9 @@ from typing import TypeVar
 
 import torch
 
+from services.common.torch_threads import fix_torch_threads
+
 T = TypeVar("T")
-
-
-def fix_torch_threads(threads: int) -> None:
-    """Fix the calling thread's OpenMP thread count at `threads` (asking for the count is what fixes it: torch
-    sets a thread's count lazily from the process-wide one, once)."""
-    torch.set_num_threads(threads)
-    assert torch.get_num_threads() == threads
 
 
 class ComputeThread:

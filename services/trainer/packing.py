@@ -113,29 +113,6 @@ def _units(input_ids: torch.Tensor, lengths: list[int], prompts: list[int], budg
     return units
 
 
-@dataclasses.dataclass
-class _Segments:
-    """Runs of consecutive tokens copied into the bins: a unit's prompt, then each of its rows' completions."""
-    bin: list[int] = dataclasses.field(default_factory=list)
-    start: list[int] = dataclasses.field(default_factory=list)     # column in the bin
-    length: list[int] = dataclasses.field(default_factory=list)
-    row: list[int] = dataclasses.field(default_factory=list)       # source row
-    column: list[int] = dataclasses.field(default_factory=list)    # source column (= the first token's position)
-    unit: list[int] = dataclasses.field(default_factory=list)
-    sequence: list[int] = dataclasses.field(default_factory=list)  # the row-part's id; -1 for a prompt
-
-    def add(self, *values: int) -> None:
-        for name, value in zip(("bin", "start", "length", "row", "column", "unit", "sequence"), values, strict=True):
-            getattr(self, name).append(value)
-
-    def tokens(self) -> tuple[torch.Tensor, ...]:
-        """Per token of every segment: (segment index, offset in the segment)."""
-        lengths = torch.tensor(self.length)
-        segment = torch.repeat_interleave(torch.arange(len(self.length)), lengths)
-        starts = torch.cumsum(lengths, 0) - lengths
-        return segment, torch.arange(int(lengths.sum())) - starts[segment]
-
-
 def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_lengths: torch.Tensor,
               config: PackingConfig, pad_token_id: int = 0) -> Packing:
     """Right-padded rows ([B, L], as batching.pack builds them) -> bins of at most ``config.max_tokens`` tokens
@@ -151,30 +128,34 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_
     sizes = [p + sum(length_of[i] - p for i in rows) for p, rows in units]
     bins = first_fit_decreasing(sizes, config.max_tokens)
     width = max(sum(sizes[u] for u in b) for b in bins)
-    segments, meta = _Segments(), [(0, 0, 0, 0)] * len(length_of)  # per row: bin, prompt start, length, rest start
+    # runs of consecutive tokens copied into the bins: a unit's prompt, then each of its rows' completions, as
+    # (bin, column in the bin, length, source row, source column = first position, unit, row-part id or -1)
+    segments, meta = [], [(0, 0, 0, 0)] * len(length_of)  # per row: bin, prompt start, length, rest start
     part = 0
     for b, members in enumerate(bins):
         at = 0
         for u in members:
             p, rows = units[u]
-            segments.add(b, at, p, rows[0], 0, u, -1)
+            segments.append((b, at, p, rows[0], 0, u, -1))
             pstart, at = at, at + p
             for i in rows:
                 n = length_of[i] - p
-                segments.add(b, at, n, i, p, u, part)
+                segments.append((b, at, n, i, p, u, part))
                 meta[i] = (b, pstart, p, at)
                 at, part = at + n, part + 1
-    segment, offset = segments.tokens()
-    column = torch.tensor(segments.column)[segment] + offset
-    cell = torch.tensor(segments.bin)[segment] * width + torch.tensor(segments.start)[segment] + offset
+    seg_bin, seg_start, seg_length, seg_row, seg_column, seg_unit, seg_sequence = torch.tensor(segments).unbind(-1)
+    segment = torch.repeat_interleave(torch.arange(len(segments)), seg_length)  # per token: its segment
+    offset = torch.arange(len(segment)) - (torch.cumsum(seg_length, 0) - seg_length)[segment]
+    column = seg_column[segment] + offset
+    cell = seg_bin[segment] * width + seg_start[segment] + offset
     ids = torch.full((len(bins) * width,), pad_token_id, dtype=input_ids.dtype)
-    ids[cell] = input_ids[torch.tensor(segments.row)[segment], column]
+    ids[cell] = input_ids[seg_row[segment], column]
     positions = torch.zeros(len(bins) * width, dtype=torch.long)
     positions[cell] = column
     sequence = torch.full((len(bins) * width,), -1, dtype=torch.long)  # a row-part's id; the prompt's is the unit's
-    sequence[cell] = torch.tensor(segments.sequence)[segment]
+    sequence[cell] = seg_sequence[segment]
     unit_of = torch.full((len(bins) * width,), -1, dtype=torch.long)
-    unit_of[cell] = torch.tensor(segments.unit)[segment]
+    unit_of[cell] = seg_unit[segment]
     ids, positions, sequence, unit_of = (t.view(len(bins), width) for t in (ids, positions, sequence, unit_of))
     rows_meta = torch.tensor(meta, dtype=lengths.dtype).reshape(len(length_of), 4).unbind(-1)
     pad = unit_of < 0

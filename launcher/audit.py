@@ -65,7 +65,7 @@ def read_lineage(run_dir: pathlib.Path) -> dict:
 async def audit_run(nats_url: str, run_dir: pathlib.Path, *, completed: bool, total_steps: int, eta: int,
                     online: bool = False, nats_options: dict | None = None) -> Audit:
     """`nats_options`: credentials for Bus.connect (a launched stack's `bus_options`: the operator's)."""
-    bus = await Bus.connect(nats_url, name="audit", deadline=60.0, **(nats_options or {}))
+    bus = await Bus.connect(nats_url, name="audit", deadline=60.0, declare=False, **(nats_options or {}))
     try:
         lineage = read_lineage(run_dir)
         indices = [int(i) for i in lineage.get("batch_indices", [])]

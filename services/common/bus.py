@@ -54,6 +54,7 @@ class PeersOffline(ConnectionError):
 
 
 NO_SUITABLE_PEERS = 10005  # JetStream's err_code for "no suitable peers for placement"
+NO_STORAGE = 10047         # "insufficient storage resources available": a byte cap the server cannot reserve
 TRANSIENT = (nats.errors.TimeoutError, TimeoutError, nats.errors.NoRespondersError,
              nats.errors.ConnectionReconnectingError, nats.errors.ConnectionClosedError,
              nats.errors.OutboundBufferLimitError, nats.errors.StaleConnectionError,
@@ -66,7 +67,7 @@ class StreamSpec:
     subjects: tuple[str, ...]
     retention: RetentionPolicy = RetentionPolicy.LIMITS
     max_age: float = 0.0       # seconds; 0 = forever
-    max_bytes: int = -1
+    share: float = 0.0         # its part of the data plane's byte budget (Bus.max_bytes); 0: no byte cap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,14 +81,18 @@ class ConsumerSpec:
 
 
 # BATCHES keeps every batch (subject batches.train.<index>) so a restarted trainer re-reads by index and a
-# restarted builder knows which groups it batched; limits bound what a long run keeps.
+# restarted builder knows which groups it batched; limits bound what a long run keeps. A stream's byte cap is
+# reserved on the server when the stream is declared, so the caps together must fit its max_file_store
+# (by default 75% of the free disk where the server started).
 STREAMS = (
     StreamSpec("PROMPTS", ("prompts.>",), RetentionPolicy.WORK_QUEUE),
-    StreamSpec("TRAJ", ("traj.>",), max_age=7 * DAY, max_bytes=8 << 30),
-    StreamSpec("BATCHES", ("batches.>",), max_age=7 * DAY, max_bytes=16 << 30),
-    StreamSpec("EVENTS", ("events.>",), max_age=30 * DAY, max_bytes=1 << 30),
-    StreamSpec("DLQ", ("dlq.>",), max_age=30 * DAY, max_bytes=1 << 30),
+    StreamSpec("TRAJ", ("traj.>",), max_age=7 * DAY, share=0.3),
+    StreamSpec("BATCHES", ("batches.>",), max_age=7 * DAY, share=0.6),
+    StreamSpec("EVENTS", ("events.>",), max_age=30 * DAY, share=0.05),
+    StreamSpec("DLQ", ("dlq.>",), max_age=30 * DAY, share=0.05),
 )
+DEFAULT_MAX_BYTES = 4 << 30  # the data plane's byte budget on the JetStream server, over every capped stream
+MIN_MAX_BYTES = 64 << 20
 
 CONSUMERS = {
     spec.durable: spec
@@ -101,6 +106,12 @@ CONSUMERS = {
 }
 
 
+def check_max_bytes(max_bytes: int) -> None:
+    if max_bytes != -1 and max_bytes < MIN_MAX_BYTES:
+        raise ValueError(f"nats_max_bytes: {max_bytes} is under the least budget {MIN_MAX_BYTES} bytes "
+                         "(or -1: no byte caps)")
+
+
 class InvalidMessage(ValueError):
     """A message that no retry can fix: it goes to the dead-letter subject."""
 
@@ -112,20 +123,25 @@ class PayloadTooLarge(ValueError):
 class Bus:
     """A NATS connection with the JetStream context and meshrl's streams and consumers.
 
-    `url` may list several servers (comma-separated: a cluster); `replicas` is the streams' replication.
+    `url` may list several servers (comma-separated: a cluster); `replicas` is the streams' replication;
+    `max_bytes` the byte budget the capped streams share (-1: no caps, only their ages bound them).
     """
 
-    def __init__(self, nc: nats.NATS, *, ack_wait: float | None = None, replicas: int = 1) -> None:
+    def __init__(self, nc: nats.NATS, *, ack_wait: float | None = None, replicas: int = 1,
+                 max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        check_max_bytes(max_bytes)
         self.nc = nc
         self.js = nc.jetstream(timeout=10.0)
         self.ack_wait = ack_wait
         self.replicas = replicas
+        self.max_bytes = max_bytes
 
     @classmethod
     async def connect(cls, url: str, *, name: str, ack_wait: float | None = None, replicas: int = 1,
-                      deadline: float = 600.0, user: str = "", password: str = "", creds_file: str = "",
+                      max_bytes: int = DEFAULT_MAX_BYTES, declare: bool = True, deadline: float = 600.0, user: str = "", password: str = "", creds_file: str = "",
                       inbox_prefix: str = "") -> Bus:
-        """Connect (retrying while the server is unreachable, up to `deadline` s) and declare everything.
+        """Connect (retrying while the server is unreachable, up to `deadline` s) and declare everything
+        (unless `declare` is False: a reader that leaves the streams as the services declared them).
 
         Credentials: `user` and `password`, or an nkeys/JWT `creds_file` (see services.common.auth.nats_credentials).
         With a user, replies come to `_INBOX.<user>.>` (unless `inbox_prefix` says otherwise), the only inboxes
@@ -135,6 +151,7 @@ class Bus:
         servers = [u.strip() for u in url.split(",") if u.strip()]
         if not servers:
             raise ValueError("nats_url: empty")
+        check_max_bytes(max_bytes)
         auth: dict = {}
         if user:
             auth.update(user=user, password=password)
@@ -177,8 +194,9 @@ class Bus:
 
         nc = await retry(attempt, what=f"connect to {url}", deadline=deadline,
                          errors=(*TRANSIENT, OSError, nats.errors.NoServersError))
-        bus = cls(nc, ack_wait=ack_wait, replicas=replicas)
-        await retry(bus.ensure, what="declare streams", deadline=deadline)
+        bus = cls(nc, ack_wait=ack_wait, replicas=replicas, max_bytes=max_bytes)
+        if declare:
+            await retry(bus.ensure, what="declare streams", deadline=deadline)
         return bus
 
     @property
@@ -189,20 +207,34 @@ class Bus:
         """Create every stream and consumer; safe to call from every service at every start."""
         for spec in STREAMS:
             config = StreamConfig(name=spec.name, subjects=list(spec.subjects), retention=spec.retention,
-                                  duplicate_window=120.0, max_age=spec.max_age or None, max_bytes=spec.max_bytes,
-                                  num_replicas=self.replicas)
+                                  duplicate_window=120.0, max_age=spec.max_age or None,
+                                  max_bytes=self.stream_max_bytes(spec), num_replicas=self.replicas)
             try:
-                await self.js.add_stream(config)
-            except nats.js.errors.BadRequestError as exc:
-                if exc.err_code == NO_SUITABLE_PEERS and "offline" in (exc.description or ""):
-                    # a cluster forming or a node restarting: retried
-                    raise PeersOffline(f"stream {spec.name}: {exc.description}") from exc
-                if exc.err_code == NO_SUITABLE_PEERS:
-                    raise ValueError(f"nats_replicas: JetStream cannot place {self.replicas} replicas of stream "
-                                     f"{spec.name} ({exc.description}); use at most the cluster's node count") from exc
-                await self.js.update_stream(config)
+                await self._declare_stream(config)
+            except nats.js.errors.APIError as exc:
+                if exc.err_code != NO_STORAGE:
+                    raise
+                raise ValueError(
+                    f"nats_max_bytes: the JetStream server cannot reserve {config.max_bytes} bytes for stream "
+                    f"{spec.name} ({exc.description}); lower nats_max_bytes (now {self.max_bytes}, split between "
+                    "the capped streams) or raise the server's jetstream max_file_store") from exc
         for spec in CONSUMERS.values():
             await self.js.add_consumer(spec.stream, self._consumer_config(spec))
+
+    async def _declare_stream(self, config: StreamConfig) -> None:
+        try:
+            await self.js.add_stream(config)
+        except nats.js.errors.BadRequestError as exc:
+            if exc.err_code == NO_SUITABLE_PEERS and "offline" in (exc.description or ""):
+                # a cluster forming or a node restarting: retried
+                raise PeersOffline(f"stream {config.name}: {exc.description}") from exc
+            if exc.err_code == NO_SUITABLE_PEERS:
+                raise ValueError(f"nats_replicas: JetStream cannot place {self.replicas} replicas of stream "
+                                 f"{config.name} ({exc.description}); use at most the cluster's node count") from exc
+            await self.js.update_stream(config)
+
+    def stream_max_bytes(self, spec: StreamSpec) -> int:
+        return int(spec.share * self.max_bytes) if spec.share and self.max_bytes > 0 else -1
 
     def _consumer_config(self, spec: ConsumerSpec) -> ConsumerConfig:
         # max_deliver is counted by `consume` (dead letter with the reason), never by the server, which

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -147,6 +148,22 @@ def test_nats_is_a_jetstream_cluster_of_three_in_prod(rendered):
         assert all(f"nats-{i}.nats-headless:6222" in text for i in range(3))  # the command that generates the routes
     else:
         assert nats["spec"]["replicas"] == 1 and "cluster" not in settings
+
+
+def test_the_streams_budget_fits_the_nats_store_and_the_store_fits_its_volume(rendered):
+    """Every service's nats_max_bytes is reserved on each NATS node when the streams are declared: over the
+    server's max_file_store the services could not start."""
+    _, objects = rendered
+    (conf,) = [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("nats-config")]
+    (store,) = re.findall(r"^jetstream \{.*max_file_store: (\d+)", conf["data"]["nats.conf"], re.MULTILINE)
+    (claim,) = find(objects, "StatefulSet", "nats")["spec"]["volumeClaimTemplates"]
+    volume = claim["spec"]["resources"]["requests"]["storage"]
+    assert volume.endswith("Gi")
+    assert int(store) <= int(volume.removesuffix("Gi")) << 30
+    (run,) = [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("meshrl-run")]
+    for service, cls in SERVICES.items():
+        budget = load_config(cls, service, env=dict(run["data"])).nats_max_bytes
+        assert 0 < budget <= int(store), service
 
 
 def test_prod_scales_rollout_and_reward_with_budgets_and_accelerators(rendered):

@@ -1,14 +1,17 @@
-"""The streams' byte caps against a nats-server whose file store is smaller than the default budget."""
+"""Declaring the streams: byte caps against a nats-server whose file store is smaller than the default budget,
+and which refusals are retried."""
 
 from __future__ import annotations
 
 import json
 import time
+import types
 
+import nats.js.errors
 import pytest
 
 from launcher.processes import NatsServer, nats_server_binary
-from services.common.bus import DEFAULT_MAX_BYTES, STREAMS, Bus
+from services.common.bus import CONSUMERS, DEFAULT_MAX_BYTES, STREAMS, Bus, retry
 
 STORE = 256 << 20
 
@@ -74,3 +77,41 @@ async def test_no_caps_reserve_nothing_and_a_reader_leaves_the_streams_as_declar
 def test_a_budget_under_the_least_is_refused_naming_the_field(max_bytes):
     with pytest.raises(ValueError, match="nats_max_bytes"):
         Bus(None, max_bytes=max_bytes)  # type: ignore[arg-type]  # checked before the connection is used
+
+
+class RefusingJetStream:
+    """The two declaring calls of JetStream's manager; the first `add_stream` is refused with the error (code,
+    err_code, description) a cluster's meta leader answers while it still counts a node offline."""
+
+    def __init__(self, refusal: dict) -> None:
+        self.refusal: dict | None = refusal
+        self.streams: list[str] = []
+        self.consumers: list[str] = []
+
+    async def add_stream(self, config) -> None:
+        if self.refusal is not None:
+            refusal, self.refusal = self.refusal, None
+            nats.js.errors.APIError.from_error(refusal)
+        self.streams.append(config.name)
+
+    async def add_consumer(self, stream: str, config) -> None:
+        self.consumers.append(config.durable_name)
+
+
+def bus_over(js: RefusingJetStream, replicas: int) -> Bus:
+    return Bus(types.SimpleNamespace(jetstream=lambda timeout: js), replicas=replicas)  # type: ignore[arg-type]
+
+
+async def test_a_node_still_counted_offline_is_retried_until_the_streams_are_placed():
+    # the refusal itself cannot be caused on demand with real servers (it lasts a moment after a node joins)
+    js = RefusingJetStream({"code": 400, "err_code": 10005,
+                            "description": "no suitable peers for placement, peer offline"})
+    await retry(bus_over(js, replicas=3).ensure, what="declare streams", deadline=10.0)
+    assert js.streams == [s.name for s in STREAMS] and js.consumers == list(CONSUMERS)
+
+
+async def test_no_suitable_peers_without_an_offline_one_is_not_retried():
+    js = RefusingJetStream({"code": 400, "err_code": 10005, "description": "no suitable peers for placement"})
+    with pytest.raises(ValueError, match="nats_replicas: JetStream cannot place 5 replicas of stream PROMPTS"):
+        await retry(bus_over(js, replicas=5).ensure, what="declare streams", deadline=10.0)
+    assert js.streams == []

@@ -489,8 +489,8 @@ class BuilderServicer(builder_pb2_grpc.BuilderServiceServicer):
 async def serve(config: BuilderConfig, stop: asyncio.Event) -> None:
     tokenizer = AutoTokenizer.from_pretrained(config.model_path)
     encode = config.dataset.encoder(tokenizer)
-    bus = await Bus.connect(config.nats_url, name="builder", replicas=config.nats_replicas, max_bytes=config.nats_max_bytes,
-                            **nats_credentials(config))
+    bus = await Bus.connect(config.nats_url, name="builder", replicas=config.nats_replicas,
+                            max_bytes=config.nats_max_bytes, **nats_credentials(config))
     builder = Builder(config, bus, encode, [tokenizer.eos_token_id])
     rpc = await start_server(config.grpc_address, [Servicer(
         builder_pb2_grpc.add_BuilderServiceServicer_to_server, BuilderServicer(builder),

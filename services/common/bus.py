@@ -138,8 +138,8 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, *, name: str, ack_wait: float | None = None, replicas: int = 1,
-                      max_bytes: int = DEFAULT_MAX_BYTES, declare: bool = True, deadline: float = 600.0, user: str = "", password: str = "", creds_file: str = "",
-                      inbox_prefix: str = "") -> Bus:
+                      max_bytes: int = DEFAULT_MAX_BYTES, declare: bool = True, deadline: float = 600.0,
+                      user: str = "", password: str = "", creds_file: str = "", inbox_prefix: str = "") -> Bus:
         """Connect (retrying while the server is unreachable, up to `deadline` s) and declare everything
         (unless `declare` is False: a reader that leaves the streams as the services declared them).
 

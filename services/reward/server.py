@@ -58,7 +58,8 @@ async def serve(config: RewardConfig, stop: asyncio.Event) -> None:
                     timeout_s=config.verifier_pool.timeout_s, pool=pool,
                     count_tokens=lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
     stats = {"scored": 0.0, "reward_sum": 0.0}
-    bus = await Bus.connect(config.nats_url, name="reward", replicas=config.nats_replicas, max_bytes=config.nats_max_bytes, **nats_credentials(config))
+    bus = await Bus.connect(config.nats_url, name="reward", replicas=config.nats_replicas,
+                            max_bytes=config.nats_max_bytes, **nats_credentials(config))
 
     async def handle(traj: data_pb2.Trajectory) -> None:
         scored = await scorer.score_async(traj)

@@ -133,8 +133,8 @@ async def serve(config: RolloutConfig, stop: asyncio.Event) -> None:
         engine.start()
     else:  # a vLLM server takes minutes to start: the event loop stays free meanwhile
         await asyncio.to_thread(engine.start)
-    bus = await Bus.connect(config.nats_url, name=config.rank_id, replicas=config.nats_replicas, max_bytes=config.nats_max_bytes,
-                            **nats_credentials(config))
+    bus = await Bus.connect(config.nats_url, name=config.rank_id, replicas=config.nats_replicas,
+                            max_bytes=config.nats_max_bytes, **nats_credentials(config))
     rollout = Rollout(config, engine, bus)
     servicers = [Servicer(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, RolloutServicer(rollout),
                           rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name)]

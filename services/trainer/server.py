@@ -411,8 +411,8 @@ async def heartbeat(leader, stop: asyncio.Event) -> None:
 
 async def serve_rank0(config: TrainerConfig, stop: asyncio.Event, leader=None,
                       compute: ComputeThread | None = None) -> None:
-    bus = await Bus.connect(config.nats_url, name=config.rank_id, replicas=config.nats_replicas, max_bytes=config.nats_max_bytes,
-                            **nats_credentials(config))
+    bus = await Bus.connect(config.nats_url, name=config.rank_id, replicas=config.nats_replicas,
+                            max_bytes=config.nats_max_bytes, **nats_credentials(config))
     trainer = Trainer(config, bus, engine=leader, compute=compute)
     trainer.resume()
     rpc = await start_server(config.grpc_address, [Servicer(

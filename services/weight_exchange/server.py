@@ -106,8 +106,9 @@ class WeightExchangeServicer(wx_grpc.WeightExchangeServiceServicer):
 
 
 async def serve(config: WeightExchangeConfig, stop: asyncio.Event) -> None:
-    bus = await Bus.connect(config.nats_url, name="weight_exchange", replicas=config.nats_replicas, max_bytes=config.nats_max_bytes,
-                            **nats_credentials(config)) if config.publish_events and config.nats_url else None
+    bus = await Bus.connect(config.nats_url, name="weight_exchange", replicas=config.nats_replicas,
+                            max_bytes=config.nats_max_bytes, **nats_credentials(config)) \
+        if config.publish_events and config.nats_url else None
 
     async def deployed(version: int) -> None:
         if bus is None:

@@ -29,6 +29,7 @@ from google.protobuf.message import DecodeError, Message
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StreamConfig
 
+from services.common.config import DEFAULT_MAX_BYTES
 from services.common.contracts import data_pb2
 from services.common.ids import now
 from services.common.logging import get_logger
@@ -91,7 +92,6 @@ STREAMS = (
     StreamSpec("EVENTS", ("events.>",), max_age=30 * DAY, share=0.05),
     StreamSpec("DLQ", ("dlq.>",), max_age=30 * DAY, share=0.05),
 )
-DEFAULT_MAX_BYTES = 4 << 30  # the data plane's byte budget on the JetStream server, over every capped stream
 MIN_MAX_BYTES = 64 << 20
 
 CONSUMERS = {

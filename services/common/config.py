@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 
 import yaml
 
-from services.common.bus import DEFAULT_MAX_BYTES
-
 T = TypeVar("T")
+
+DEFAULT_MAX_BYTES = 4 << 30  # the data plane's byte budget on the JetStream server, over every capped stream
 
 
 class ConfigError(ValueError):

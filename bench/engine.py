@@ -35,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -114,7 +115,7 @@ def bench_embedded(args, prompts_all: list[list[int]]) -> None:
                 steps0, busy0 = engine.stats.steps, engine.stats.busy_seconds
                 r = asyncio.run(drive_embedded(engine, prompts_all[:2 * c], c, args.new_tokens))
                 emit("embedded", dtype, c, r, args, steps=engine.stats.steps - steps0,
-                     busy_seconds=engine.stats.busy_seconds - busy0)
+                     busy_seconds=engine.stats.busy_seconds - busy0, linear_path=engine.runner.linear_path)
         finally:
             engine.stop()
         if args.update:
@@ -146,13 +147,13 @@ def bench_update(args, dtype: str, prompts_all: list[list[int]], repeats: int = 
     missing = [n for n in params if n not in state]
     if missing:
         raise SystemExit(f"bench.engine: {missing[:3]} not in the checkpoint")
+    path = engine.runner.linear_path
     times: dict[str, list[float]] = {k: [] for k in ("pause", "copy", "update", "repack", "reload")}
     try:
         for _ in range(repeats):
             busy = [engine.submit(p, Sampling(temperature=1.0, max_new_tokens=args.new_tokens), None)
                     for p in prompts_all[:16]]
-            while not any(s.output_ids for s in busy):
-                time.sleep(0.01)
+            wait_for_first_token(engine, busy)
             t0 = time.perf_counter()
             engine.pause()  # waits for the step in flight
             t1 = time.perf_counter()
@@ -189,7 +190,18 @@ def bench_update(args, dtype: str, prompts_all: list[list[int]], repeats: int = 
          reload_over_update_with_repack=m["reload"] / (u + k), restart_over_update_with_repack=restart / (u + k),
          repeats=repeats, parameters=len(params),
          update_bytes=sum(t.numel() * t.element_size() for t in params.values()), threads=args.threads,
-         load_average=load_average())
+         linear_path=path, load_average=load_average())
+
+
+def wait_for_first_token(engine, busy: list, timeout: float = 120.0) -> None:
+    """Until one of `busy` has a token; SystemExit naming what the engine saw after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not any(s.output_ids for s in busy):
+        if engine.failure is not None or time.monotonic() > deadline or all(s.finish_reason for s in busy):
+            raise SystemExit(f"bench.engine: no token in {timeout:.0f}s (engine failure: {engine.failure}; "
+                             f"finish reasons {sorted({s.finish_reason for s in busy})}; "
+                             f"steps failed {engine.stats.steps_failed})")
+        time.sleep(0.01)
 
 
 def restart_seconds(args, dtype: str) -> float:
@@ -199,10 +211,15 @@ def restart_seconds(args, dtype: str) -> float:
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-c", code, args.model, dtype, str(args.threads)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        ready = proc.stdout.readline().strip() == "ready"
+    seen = threading.Event()
+    reader = threading.Thread(target=lambda: any(x.strip() == "ready" for x in proc.stdout) and seen.set(), daemon=True)
+    reader.start()  # log lines come before "ready"
+    try:  # a probe that hangs before "ready" is killed after 300 s, not waited on forever
+        ready = seen.wait(300)
         elapsed = time.perf_counter() - t0
     finally:
+        if not ready:
+            proc.kill()
         proc.wait(60)
     if not ready:
         raise SystemExit(f"bench.engine: the restart probe exited with {proc.returncode}")

@@ -29,7 +29,14 @@ from services.common.logging import get_logger
 from services.common.rpc import Servicer, bound_address, invalid_argument, start_server
 from services.common.service import supervise
 from services.rollout.config import RolloutConfig
-from services.rollout.engines.base import MAX_SAMPLES, Engine, engine_name, num_running, num_waiting
+from services.rollout.engines.base import (
+    MAX_SAMPLES,
+    Engine,
+    EngineUnhealthy,
+    engine_name,
+    num_running,
+    num_waiting,
+)
 from services.rollout.engines.sequence import Sampling
 from services.rollout.workflows.single_turn import sampling_from_proto, to_trajectories, validate_work
 
@@ -99,6 +106,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         except ValueError as exc:
             field, _, problem = str(exc).partition(": ")
             await invalid_argument(context, field if problem else "prompt_ids", problem or str(exc))
+        except EngineUnhealthy as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine is unhealthy: {exc}")
         return rollout_pb2.GenerateReply(completions=[
             rollout_pb2.Completion(token_ids=s.output_ids, logprobs=s.logprobs, versions=s.versions,
                                    finish_reason=s.finish_reason) for s in seqs])
@@ -148,6 +157,7 @@ async def serve(config: RolloutConfig, stop: asyncio.Event) -> None:
     tasks = [asyncio.create_task(consume(bus, "rollout", decoder(data_pb2.PromptWork), rollout.handle_work, stop,
                                          concurrency=config.concurrency, gate=rollout.pull_gate)),
              asyncio.create_task(rollout.dead_letters.run(stop), name="dead-letter-counts")]
+    tasks.append(asyncio.create_task(watch_health(rollout, rpc, stop), name="engine-health"))
     if hasattr(engine, "watch"):  # a vLLM server: its death takes the service down (the supervisor restarts both)
         tasks.append(asyncio.create_task(engine.watch(stop), name="engine-watch"))
     if config.gateway_enabled:
@@ -165,6 +175,18 @@ async def serve(config: RolloutConfig, stop: asyncio.Event) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
     await rpc.stop()
     await bus.close()
+
+
+async def watch_health(rollout: Rollout, rpc, stop: asyncio.Event, every: float = 1.0) -> None:
+    """Once the engine turns unhealthy, the service says so: health NOT_SERVING (an orchestrator restarts it),
+    no more prompt work pulled (other replicas take it), and one error line naming the cause."""
+    while not stop.is_set() and rollout.engine.failure is None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), every)
+    if rollout.engine.failure is not None:
+        rollout.hold("engine")
+        await rpc.set_serving(False)
+        rollout.log.error("rollout_not_serving", reason=f"the engine is unhealthy: {rollout.engine.failure}")
 
 
 def build_engine(config: RolloutConfig) -> Engine:

@@ -33,11 +33,16 @@ class EngineStats:
     busy_seconds: float = 0.0
 
 
+class EngineUnhealthy(RuntimeError):
+    """The engine cannot generate at all (every step failed, whatever the request): the message names the cause."""
+
+
 @runtime_checkable
 class Engine(Protocol):
     version: int            # the policy version of the weights loaded now (tags every token generated from now on)
     stats: EngineStats      # counters the Status RPC and the pause clock read
     vocab_size: int | None
+    failure: str | None     # None while healthy; else why the engine cannot generate (requests get EngineUnhealthy)
 
     @property
     def paused(self) -> bool: ...

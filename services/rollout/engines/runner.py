@@ -7,7 +7,9 @@ and step; the buffer is reallocated (with room to grow) only when it is full or 
 
 On CPU every nn.Linear (the LM head included) runs on a oneDNN-prepacked copy of its weight (`PackedLinears`):
 at a decode step's few rows a matmul is bound by reading its weight, and the plain path re-lays the weight out on
-every call. The parameters stay the model's own tensors (the weight sync writes into them); every layer repacks
+every call. bf16 weights on a CPU without native bf16 get float32 copies and the matmul runs in float32 (the
+"packed-float32" path, chosen at build: `linear_path`): oneDNN refuses bf16 packing there, and torch's emulated
+bf16 matmul is ~4-5x slower than float32 at 16-256 rows (`services/common/cpu_features.py`). The parameters stay the model's own tensors (the weight sync writes into them); every layer repacks
 its copy on its next call after `weights_changed()` (the engine's `resume(version)`: the weight sync may land
 bytes straight in the parameters' memory, which no version counter sees), and a layer does so by itself when its
 weight changed through torch in place (the tensor's version counter moved) or was replaced.
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from services.common.cpu_features import native_bf16, onednn_linear
 from services.rollout.engines.sampler import sample
 from services.rollout.engines.scheduler import Step
 from services.rollout.engines.sequence import Sequence
@@ -63,14 +66,29 @@ def _grow(kv: torch.Tensor, need: int) -> torch.Tensor:
     return buf
 
 
+LINEAR_PATHS = ("packed", "packed-float32", "plain")
+
+
+def linear_path(dtype: torch.dtype, device: torch.device, prepack: bool) -> str:
+    """How the engine's linears run here: "packed" (oneDNN-prepacked copies in the weights' dtype),
+    "packed-float32" (bf16 weights on a CPU without native bf16: float32 prepacked copies, the matmul in float32,
+    the result cast back to bf16) or "plain" (torch's own nn.Linear: off CPU, or `prepack` off)."""
+    if not prepack or device.type != "cpu" or not onednn_linear():
+        return "plain"
+    if dtype == torch.bfloat16 and not native_bf16():
+        return "packed-float32"
+    return "packed"
+
+
 class PackedLinears:
     """oneDNN-prepacked weights for the model's CPU nn.Linear layers (float32 / bfloat16), set as each layer's
-    instance `forward`; `unpack()` restores the plain layers. Costs a second copy of those weights."""
+    instance `forward`; `unpack()` restores the plain layers. Costs a second copy of those weights (twice their
+    bytes with `compute=torch.float32` over bf16 weights: the copies, and the matmuls, are float32)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, compute: torch.dtype | None = None) -> None:
         self.layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and _packable(m.weight)]
         for m in self.layers:
-            m.forward = functools.partial(_packed_forward, m, [None, None])
+            m.forward = functools.partial(_packed_forward, m, [None, None], compute)
 
     def invalidate(self) -> None:
         """The weights changed behind torch's back: every layer repacks on its next call."""
@@ -82,18 +100,13 @@ class PackedLinears:
         for m in self.layers:
             state = m.forward.args[1]
             w = m.weight
-            with torch.no_grad():
-                state[1] = torch.ops.mkldnn._reorder_linear_weight(w.detach())
+            state[1] = _pack(w, m.forward.args[2])
             state[0] = (w.data_ptr(), w._version, w.dtype)
 
     def unpack(self) -> None:
         for m in self.layers:
             m.__dict__.pop("forward", None)
         self.layers = []
-
-    @staticmethod
-    def available() -> bool:
-        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def _packable(w: torch.Tensor) -> bool:
@@ -106,21 +119,32 @@ def _packable(w: torch.Tensor) -> bool:
     return True
 
 
-def _packed_forward(m: torch.nn.Linear, state: list, x: torch.Tensor) -> torch.Tensor:
+def _pack(w: torch.Tensor, compute: torch.dtype | None) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(w.detach().to(compute or w.dtype))
+
+
+def _packed_forward(m: torch.nn.Linear, state: list, compute: torch.dtype | None, x: torch.Tensor) -> torch.Tensor:
     w = m.weight
     key = (w.data_ptr(), w._version, w.dtype)
     if state[0] != key:  # first call, or the weight changed since it was packed
-        with torch.no_grad():
-            state[1] = torch.ops.mkldnn._reorder_linear_weight(w.detach())
+        state[1] = _pack(w, compute)
         state[0] = key
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), state[1], m.bias, "none", [], "")
+    if compute is None or compute == x.dtype:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), state[1], m.bias, "none", [], "")
+    bias = m.bias.to(compute) if m.bias is not None else None
+    out = torch.ops.mkldnn._linear_pointwise(x.to(compute).contiguous(), state[1], bias, "none", [], "")
+    return out.to(x.dtype)
 
 
 class ModelRunner:
     def __init__(self, model: PreTrainedModel, *, pad_token_id: int, seed: int, prepack: bool = True) -> None:
         self.model = model.eval()
         self.device = next(model.parameters()).device  # every tensor of the engine lives here
-        self.packed = PackedLinears(model) if prepack and PackedLinears.available() else None
+        params = next(model.parameters())
+        self.linear_path = linear_path(params.dtype, self.device, prepack)
+        compute = torch.float32 if self.linear_path == "packed-float32" else None
+        self.packed = PackedLinears(model, compute) if self.linear_path != "plain" else None
         self.pad_token_id = pad_token_id
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._cache: DynamicCache | None = None

@@ -154,6 +154,18 @@ class Scheduler:
         self.stale = True
         return failed
 
+    def fail_all(self) -> list[Sequence]:
+        """The engine cannot run any step: end every waiting and running sequence with "error"."""
+        ended = [*self.urgent, *self.waiting, *self.running]
+        self.urgent.clear()
+        self.waiting.clear()
+        for seq in ended:
+            self._end(seq, "error")
+        self.aborting.clear()
+        self.batch = []
+        self.stale = True
+        return ended
+
     def abort_all(self) -> list[Sequence]:
         """The engine stops: end every waiting and running sequence with "abort"."""
         waiting = [*self.urgent, *self.waiting]

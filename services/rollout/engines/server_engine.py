@@ -69,6 +69,7 @@ class ServerEngine:
     connect_timeout = 30.0     # seconds to open a connection to the server
     startup_poll = 1.0         # seconds between /health tries while the server starts
     watch_ping_timeout = 10.0  # seconds for one /health of watch()
+    failure: str | None = None  # a server's death takes the service down through watch(); never set here
 
     def __init__(self, config, *, model_path: str, max_batch: int, max_context: int, dtype: str, seed: int,
                  version: int, vocab_size: int | None, eos_token_ids: tuple[int, ...], run_dir: str = "") -> None:

@@ -11,7 +11,10 @@ Every request is checked before it is admitted (`check`: token ids in [0, vocab_
 the context, sampling parameters in their documented ranges), so a bad request is refused on its own instead
 of failing a model step that other requests share. Should a step still fail, each running row is run alone
 to find the rows it fails on: only those end (finish_reason "error"); the others keep the token their own
-run sampled and go on.
+run sampled and go on. When every row fails alone, `UNHEALTHY_AFTER` steps in a row, the fault is the engine's,
+not a request's (a kernel this CPU cannot run, a broken device): the engine turns unhealthy (`failure` names the
+exception), ends what it holds with "error" and refuses new requests with `EngineUnhealthy`, so the service can
+report NOT_SERVING and answer 503 instead of "error" for every request forever.
 """
 
 from __future__ import annotations
@@ -24,15 +27,17 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from services.common.cpu_features import describe
 from services.common.device import check_device, resolve_device
 from services.common.logging import get_logger
 from services.common.torch_threads import fix_torch_threads
-from services.rollout.engines.base import EngineStats, check_request
+from services.rollout.engines.base import EngineStats, EngineUnhealthy, check_request
 from services.rollout.engines.runner import ModelRunner
 from services.rollout.engines.scheduler import Scheduler, Step
 from services.rollout.engines.sequence import Sampling, Sequence, Status
 
 DTYPES = ("float32", "bfloat16")
+UNHEALTHY_AFTER = 3  # consecutive steps on which every row failed, even alone
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -61,11 +66,14 @@ class EngineConfig:
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, self.dtype)).to(device)
         _own_memory(model)
         tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        return EmbeddedEngine(model, eos_token_id=tokenizer.eos_token_id,
+        engine = EmbeddedEngine(model, eos_token_id=tokenizer.eos_token_id,
                               pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
                               max_batch=self.max_batch, max_context=self.max_context, seed=self.seed,
                               version=self.initial_version, prepack=self.prepack,
                               torch_threads=self.torch_threads)
+        get_logger().info("engine_built", dtype=self.dtype, device=str(device), linear_path=engine.runner.linear_path,
+                          **(describe() if device.type == "cpu" else {}))
+        return engine
 
 
 class EmbeddedEngine:
@@ -83,6 +91,8 @@ class EmbeddedEngine:
         self._pause_requests = 0
         self._paused = False
         self._stopped = False
+        self.failure: str | None = None  # set once the engine is unhealthy: the exception that every row hit
+        self._failed_in_a_row = 0
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     # lifecycle ---------------------------------------------------------------------------------------
@@ -120,6 +130,8 @@ class EmbeddedEngine:
         self.check(prompt_ids, sampling)
         seq = Sequence(prompt_ids=list(prompt_ids), sampling=sampling, on_finish=on_finish, priority=priority)
         with self._cv:
+            if self.failure is not None:
+                raise EngineUnhealthy(self.failure)
             if self._stopped:
                 raise RuntimeError("engine stopped")
             self.scheduler.add(seq)
@@ -143,6 +155,8 @@ class EmbeddedEngine:
     async def generate(self, prompt_ids: list[int], sampling: Sampling, n: int = 1) -> list[Sequence]:
         """Submit n samples of one prompt and wait for all of them (all checked before any is admitted)."""
         self.check(prompt_ids, sampling, n)
+        if self.failure is not None:
+            raise EngineUnhealthy(self.failure)
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         group = _Group(n, lambda: loop.call_soon_threadsafe(_resolve, done, None))  # one wake-up per group
@@ -205,6 +219,7 @@ class EmbeddedEngine:
                 active = sum(s.status is Status.RUNNING and s not in self.scheduler.aborting for s in rows)
                 done = self.scheduler.postprocess(rows, tokens, logprobs, version)
                 self.stats.steps += 1
+                self._failed_in_a_row = 0
                 self.stats.tokens_generated += active
                 self._count(done)
                 self.stats.busy_seconds += time.perf_counter() - started
@@ -217,6 +232,7 @@ class EmbeddedEngine:
         self.runner.drop_cache()
         good: list[Sequence] = []
         bad: list[Sequence] = []
+        errors: list[str] = []
         tokens: list[int] = []
         logprobs: list[float] = []
         for seq in [s for s in rows if s.status is Status.RUNNING]:
@@ -226,6 +242,7 @@ class EmbeddedEngine:
                 get_logger().warning("engine_row_failed", seq_id=seq.seq_id, prompt_tokens=len(seq.prompt_ids),
                                      error=f"{type(exc).__name__}: {exc}")
                 bad.append(seq)
+                errors.append(f"{type(exc).__name__}: {exc}")
                 continue
             good.append(seq)
             tokens.append(token[0])
@@ -239,8 +256,21 @@ class EmbeddedEngine:
             self.stats.sequences_failed += len(failed)
             self.stats.tokens_generated += active
             self._count(failed + done)
+            self._failed_in_a_row = self._failed_in_a_row + 1 if bad and not good else 0
+            if self._failed_in_a_row >= UNHEALTHY_AFTER and self.failure is None:
+                failed += self._turn_unhealthy(errors[0])
         for seq in failed + done:
             self._finish(seq)
+
+    def _turn_unhealthy(self, error: str) -> list[Sequence]:  # under the lock
+        """Every row failed alone several steps in a row: end what the engine holds, refuse what comes."""
+        self.failure = error
+        get_logger().error("engine_unhealthy", error=error, failed_steps=self._failed_in_a_row,
+                           reason="every row failed alone on each of these steps: the engine, not a request")
+        ended = self.scheduler.fail_all()
+        self.stats.sequences_failed += len(ended)
+        self._count(ended)
+        return ended
 
     def _count(self, done: list[Sequence]) -> None:  # under the lock
         self.stats.sequences_finished += len(done)

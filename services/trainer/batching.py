@@ -7,10 +7,12 @@ prediction of token t+1, so completion token j of row i sits at column len(promp
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
 from services.common.contracts import data_pb2
+from services.common.logging import get_logger
 from services.common.staleness import staleness
 from services.common.steps import check_step_rewards
 
@@ -40,9 +42,36 @@ class PackedBatch:
         return self.input_ids.shape[0]
 
 
+def nonfinite_reward(t: data_pb2.Trajectory) -> str | None:
+    """The field of `t` that holds a non-finite reward (outcome or process), or None."""
+    if not math.isfinite(t.reward):
+        return "reward"
+    return next((f"step_rewards[{k}].reward" for k, s in enumerate(t.step_rewards) if not math.isfinite(s.reward)),
+                None)
+
+
+def finite_reward_groups(trajectories: list[data_pb2.Trajectory]) -> tuple[list[data_pb2.Trajectory], dict[str, str]]:
+    """The trajectories of the groups whose rewards are all finite, and why each other group is left out.
+
+    One non-finite reward (an agent's value past float32 arrives as inf) makes its group's advantages NaN, and every
+    minibatch holding one of its rows then skips its update: usually the whole step. Only that group is left out.
+    """
+    bad: dict[str, str] = {}
+    for t in trajectories:
+        if t.group_id not in bad and (field := nonfinite_reward(t)) is not None:
+            bad[t.group_id] = f"{field}: not finite in {t.trajectory_id}"
+    return [t for t in trajectories if t.group_id not in bad], bad
+
+
 def pack(trajectories: list[data_pb2.Trajectory], pad_token_id: int) -> PackedBatch:
     if not trajectories:
         raise ValueError("trajectories: empty batch")
+    trajectories, rejected = finite_reward_groups(trajectories)
+    if not trajectories:
+        raise ValueError(f"{next(iter(rejected.values()))}; every group of the batch has a non-finite reward "
+                         f"({', '.join(rejected)})")
+    if rejected:  # the batch's other groups still train
+        get_logger().warning("batch_groups_rejected", groups=rejected)
     for t in trajectories:
         n = len(t.completion_ids)
         if not t.prompt_ids:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import httpx
 
 from launcher.processes import free_port
+from services.common.bus import PayloadTooLarge
 from services.common.contracts import data_pb2
 from services.rollout.gateway import GatewayConfig, create_app, serve_gateway
 
@@ -22,6 +24,8 @@ class GatewayServer:
         self.tokenizer = tokenizer
         self.published: list[data_pb2.Trajectory] = []
         self.publish_fails = 0               # the next N publishes raise (a bus outage)
+        self.max_payload = 0                 # > 0: a trajectory over this many bytes is refused as the bus does
+        self.hold_publish = threading.Event()  # set: publishes wait (a slow bus) until it is cleared (at most 60 s)
         self.config = GatewayConfig(port=free_port(), admin_key=admin_key, **config)
         self.app = create_app(self.config, engine, tokenizer, self._publish, run_dir=run_dir)
         self.gateway = self.app.state.gateway
@@ -35,6 +39,14 @@ class GatewayServer:
         return f"http://127.0.0.1:{self.config.port}"
 
     async def _publish(self, traj: data_pb2.Trajectory) -> None:
+        deadline = time.monotonic() + 60
+        while self.hold_publish.is_set():
+            if time.monotonic() > deadline:
+                raise TimeoutError("publish held for 60 s")
+            await asyncio.sleep(0.01)
+        if self.max_payload and traj.ByteSize() > self.max_payload:
+            raise PayloadTooLarge(f"meshrl.v1.Trajectory {traj.trajectory_id}: {traj.ByteSize()} bytes is over the "
+                                  f"server's max_payload {self.max_payload}")
         if self.publish_fails > 0:
             self.publish_fails -= 1
             raise ConnectionError("bus unavailable")

@@ -21,6 +21,7 @@ MIN_ADMIN_KEY_CHARS = 12
 # The old public development key: refused wherever it is configured. The name stays importable for callers that
 # printed it; it now says where the generated key is.
 PUBLIC_DEV_KEY = "meshrl-dev-admin-key"
+FLOAT32_MAX = 3.4028234663852886e38  # rewards travel as protobuf float: anything larger becomes inf
 DEV_ADMIN_KEY = f"(generated at start: <run_dir>/{ADMIN_KEY_FILE}; or set {ADMIN_KEY_ENV})"
 
 # chat_template_kwargs a request may send: documented switches of the model's template, booleans only. Nothing
@@ -61,7 +62,9 @@ class GatewayConfig:
     idle_timeout_s: float = 3600.0              # sessions without a request for this long end on their own
     reap_interval_s: float = 10.0
     max_sessions: int = 4096                    # active sessions; start_session beyond this is 429
-    publish_timeout_s: float = 10.0             # end_session waits this long for the export to be published
+    publish_timeout_s: float = 10.0             # end_session waits this long for the bus to confirm the export, then 503
+    max_abs_reward: float = 1e6                 # set_reward and every exported (summed) reward stay within +-this
+    max_trajectory_bytes: int = 0               # serialised trajectory over this: end_session 413 (0: the bus's own limit)
     replay_ttl_s: float = 600.0                 # how long a finished request can be replayed to an SDK retry
     ended_ttl_s: float = 600.0                  # ended sessions answer 409 (then 401) for this long
     idempotency_ttl_s: float = 600.0
@@ -98,6 +101,11 @@ class GatewayConfig:
         for name in ("max_wait_s", "idle_timeout_s", "poll_interval_s", "stream_interval_s", "request_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if not 0.0 < self.max_abs_reward <= FLOAT32_MAX:
+            raise ValueError(f"max_abs_reward: must be in (0, {FLOAT32_MAX:.8g}] (rewards travel as float32), "
+                             f"got {self.max_abs_reward}")
+        if self.max_trajectory_bytes < 0:
+            raise ValueError(f"max_trajectory_bytes: must be >= 0 (0: the bus's limit), got {self.max_trajectory_bytes}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes: must be >= 1024, got {self.max_body_bytes}")
         for name in ("max_inflight", "max_session_interactions", "max_session_tokens", "max_recorded_tokens",

@@ -11,6 +11,9 @@ ending on the turn's last sampled token), beside the outcome `reward` (their dis
 
 from __future__ import annotations
 
+import math
+import struct
+
 import msgpack
 
 from services.common.contracts import data_pb2
@@ -25,6 +28,27 @@ def export_session(session: Session, *, mode: str, gamma: float) -> list[data_pb
     if mode == "interaction":
         return [_interaction_traj(session, inter, returns[inter.id], n) for n, inter in enumerate(session.interactions)]
     return [_path_traj(session, path, n, primary=n == 0, gamma=gamma) for n, path in enumerate(paths(session))]
+
+
+def check_rewards(trajectories: list[data_pb2.Trajectory], max_abs: float) -> None:
+    """ValueError naming `reward` when an exported reward (a sum of turn rewards, as the float32 that travels) or a
+    process reward is not finite or past `max_abs`: each turn's reward is in range, their sum need not be."""
+    bound = struct.unpack("f", struct.pack("f", max_abs))[0]  # rounded as the rewards are (0.3 -> 0.30000001)
+    for t in trajectories:
+        for value, what in ((t.reward, "the discounted sum of its turns' rewards"),
+                            *((s.reward, "a turn's process reward") for s in t.step_rewards)):
+            if not math.isfinite(value) or abs(value) > bound:
+                raise ValueError(f"reward: {t.trajectory_id} would carry {value:g} ({what}), outside "
+                                 f"[-{max_abs:g}, {max_abs:g}] (max_abs_reward); set smaller turn rewards")
+
+
+def oversize(trajectories: list[data_pb2.Trajectory], limit: int) -> str | None:
+    """Why the export cannot be published (the first trajectory over `limit` serialised bytes), or None."""
+    for t in trajectories:
+        if limit and (size := t.ByteSize()) > limit:
+            return (f"trajectory {t.trajectory_id} is {size} bytes serialised, over the {limit} bytes one trajectory "
+                    "may take (max_trajectory_bytes)")
+    return None
 
 
 def paths(session: Session) -> list[list[Interaction]]:

@@ -12,3 +12,6 @@ SESSIONS = prometheus_client.Counter("meshrl_gateway_sessions_total", "Sessions 
 TRAJECTORIES = prometheus_client.Counter("meshrl_gateway_trajectories_total", "Trajectories exported")
 CAPACITY = prometheus_client.Gauge("meshrl_gateway_capacity_groups",
                                    "Agent groups the staleness budget still admits (-1: unlimited, no budget announced)")
+DROPPED = prometheus_client.Counter("meshrl_gateway_trajectories_dropped_total",
+                                    "Exported trajectories the bus refused for good (never retried), by error",
+                                    ["error"])

@@ -1,7 +1,11 @@
-"""Exported trajectories waiting to be published; publishing retries until it succeeds (ids make it idempotent).
+"""Exported trajectories waiting to be published; transient failures are retried until they pass (ids make it
+idempotent), permanent ones are dropped with a logged reason and a metric, so one bad trajectory never holds
+up the ones behind it.
 
 At most `max_pending` wait (the bus may be down for long): `has_room` tells the caller before it exports, so an
 end_session that finds the outbox full is refused (429) with its session left as it was, never dropped.
+Each trajectory's future resolves: True once published; the permanent error once dropped; `OutboxClosed` when the
+gateway shuts down before it could publish it.
 """
 
 from __future__ import annotations
@@ -12,8 +16,19 @@ from collections.abc import Awaitable, Callable
 
 from services.common.contracts import data_pb2
 from services.common.logging import get_logger
+from services.rollout.gateway import metrics
 
 Publish = Callable[[data_pb2.Trajectory], Awaitable[None]]
+
+
+class OutboxClosed(RuntimeError):
+    """The gateway stopped before the trajectory was published."""
+
+
+def is_permanent(exc: BaseException) -> bool:
+    """A ValueError (the bus's PayloadTooLarge, an invalid message) or TypeError fails the same way on every try;
+    anything else (connection lost, timeout, server busy) may pass on a later one."""
+    return isinstance(exc, ValueError | TypeError)
 
 
 class Outbox:
@@ -24,10 +39,12 @@ class Outbox:
         self._retry_s = retry_s
         self._max_retry_s = max_retry_s
         self._queue: asyncio.Queue[tuple[data_pb2.Trajectory, asyncio.Future]] = asyncio.Queue()
+        self._unresolved: set[asyncio.Future] = set()
         self._task: asyncio.Task | None = None
         self.published = 0
-        self.failures = 0
-        self.pending = 0  # queued or being published (retried), not yet published
+        self.failures = 0   # failed attempts (each transient one is retried)
+        self.dropped = 0    # trajectories refused for good
+        self.pending = 0    # queued or being published (retried), not yet published
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="gateway-outbox")
@@ -41,12 +58,13 @@ class Outbox:
         for traj in trajectories:
             fut = asyncio.get_running_loop().create_future()
             self._queue.put_nowait((traj, fut))
+            self._unresolved.add(fut)
             self.pending += 1
             futures.append(fut)
         return futures
 
     async def flush(self, timeout: float) -> bool:
-        """Wait until everything queued so far is published (or the timeout passes)."""
+        """Wait until everything queued so far is published or dropped (or the timeout passes)."""
         if self._task is None:
             return self._queue.empty()
         with contextlib.suppress(TimeoutError):
@@ -61,24 +79,47 @@ class Outbox:
                 await self._task
         if self.pending:
             get_logger().error("gateway_outbox_unpublished", pending=self.pending)
+        for fut in self._unresolved:  # nobody waits forever on a trajectory that will not be published
+            if not fut.done():
+                fut.set_exception(OutboxClosed("the gateway stopped before the trajectory was published"))
+        self._unresolved.clear()
 
     async def _run(self) -> None:
         while True:
             traj, fut = await self._queue.get()
-            delay = self._retry_s
-            while True:
-                try:
-                    await self._publish(traj)
-                    break
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # the bus is down or slow: keep the trajectory and retry
-                    self.failures += 1
-                    get_logger().warning("gateway_publish_failed", trajectory_id=traj.trajectory_id, error=str(exc))
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, self._max_retry_s)
-            self.published += 1
+            error = await self._deliver(traj)
             self.pending -= 1
-            if not fut.done():
-                fut.set_result(True)
+            self._unresolved.discard(fut)
+            if error is None:
+                self.published += 1
+                if not fut.done():
+                    fut.set_result(True)
+            else:
+                self._drop(traj, error)
+                if not fut.done():
+                    fut.set_exception(error)
             self._queue.task_done()
+
+    async def _deliver(self, traj: data_pb2.Trajectory) -> Exception | None:
+        """Publish, retrying transient failures; None once published, else the permanent error."""
+        delay = self._retry_s
+        while True:
+            try:
+                await self._publish(traj)
+                return None
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.failures += 1
+                if is_permanent(exc):
+                    return exc
+                # the bus is down or slow: keep the trajectory and retry
+                get_logger().warning("gateway_publish_failed", trajectory_id=traj.trajectory_id, error=str(exc))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self._max_retry_s)
+
+    def _drop(self, traj: data_pb2.Trajectory, error: Exception) -> None:
+        self.dropped += 1
+        metrics.DROPPED.labels(type(error).__name__).inc()
+        get_logger().error("gateway_trajectory_dropped", trajectory_id=traj.trajectory_id, group_id=traj.group_id,
+                           bytes=traj.ByteSize(), reason=str(error))

@@ -111,7 +111,8 @@ def add_rl_routes(app: Starlette, gw: Gateway) -> None:
         session = named_session(body, session)
         f.req(body, "reward")
         reward = f.number(body, "reward", default=0.0)
-        return json_response(lifecycle.set_reward(session, reward, f.string(body, "interaction_id", default=None)))
+        interaction_id = f.string(body, "interaction_id", default=None)
+        return json_response(lifecycle.set_reward(session, reward, interaction_id, max_abs=cfg.max_abs_reward))
 
     async def end_session(request: Request) -> Response:
         session = identify(request)

@@ -78,6 +78,8 @@ class Session:
     released: int | None = None     # after export: how many interactions there were (their tokens are freed)
     exports: list = dataclasses.field(default_factory=list)   # publish futures of the exported trajectories
     ending: object = None           # the end in progress (an asyncio task): concurrent ends share it
+    confirmed: object = None        # all `exports` resolved (an asyncio future): the session ends then
+    refusal: object = None          # the ApiError that closed the session without an export (too large, ...)
     tokens: int = 0                 # recorded prompt + completion ids (bounded per session and in all)
     interactions: list[Interaction] = dataclasses.field(default_factory=list)
     _by_id: dict[str, Interaction] = dataclasses.field(default_factory=dict)
@@ -145,9 +147,12 @@ class Session:
         return None
 
     # rewards ------------------------------------------------------------------------------------------
-    def set_reward(self, reward: float, interaction_id: str | None = None) -> list[Interaction]:
+    def set_reward(self, reward: float, interaction_id: str | None = None, *,
+                   max_abs: float = math.inf) -> list[Interaction]:
         if not math.isfinite(reward):
             raise ValueError("reward: must be a finite number")
+        if abs(reward) > max_abs:  # past float32 it would become inf on the wire, and huge ones swamp a batch
+            raise ValueError(f"reward: {reward:g} is outside [-{max_abs:g}, {max_abs:g}] (max_abs_reward)")
         if not self.interactions:
             raise LookupError("the session has no interactions yet")
         if interaction_id is None:

@@ -17,6 +17,8 @@ import random
 import re
 import sys
 import threading
+import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
@@ -151,8 +153,17 @@ def start_sessions(args: argparse.Namespace, task_id: str) -> list[str]:
     return [s["api_key"] for s in group["sessions"]]
 
 
-def finish(args: argparse.Namespace, key: str, value: float) -> dict:
+def finish(args: argparse.Namespace, key: str, value: float, *, attempts: int = 10) -> dict:
+    """Report the reward and end the session. A 503 from end_session means the export is not yet stored: the
+    session stays open and the same call, again after Retry-After, waits for that same export."""
     post(args.base_url, "/rl/set_reward", key, {"reward": value})
+    for _ in range(attempts - 1):
+        try:
+            return post(args.base_url, "/rl/end_session", key, {})
+        except urllib.error.HTTPError as exc:
+            if exc.code != 503:
+                raise
+            time.sleep(min(30.0, float(exc.headers.get("Retry-After") or 1)))
     return post(args.base_url, "/rl/end_session", key, {})
 
 

@@ -26,6 +26,7 @@ from services.common.contracts import data_pb2
 from services.common.ids import now
 from services.common.steps import check_step_rewards
 from services.reward.verifiers import Verdict, Verifier, build_verifier, shaping
+from services.reward.verifiers.base import clamp, reward_range
 from services.reward.verifiers.pool import VerifierPool, shared_pool
 
 DEFAULT_TIMEOUT_S = 10.0
@@ -118,7 +119,8 @@ class Scorer:
         if verdict is None:
             verdict = (self.pool.score(c.name, c.response, c.task, self.timeout_s) if c.verifier.isolated
                        else c.verifier.score(c.response, c.task))
-        return shaping.apply(c.terms, verdict, c.response, c.n_tokens)
+        # the one place every verdict passes: within the verifier's declared range, whatever it returned
+        return shaping.apply(c.terms, clamp(verdict, reward_range(c.verifier)), c.response, c.n_tokens)
 
     @staticmethod
     def _quick(v: Verifier, response: str, task: Mapping[str, Any]) -> Verdict | None:

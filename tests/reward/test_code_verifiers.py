@@ -11,6 +11,7 @@ from services.common.contracts import data_pb2
 from services.reward.scoring import Scorer
 from services.reward.verifiers import build_verifier
 from services.reward.verifiers.code import extract_code
+from services.reward.verifiers.code_tests import plan
 
 TESTS = """
 def check(candidate):
@@ -47,13 +48,61 @@ def test_extract_code_prefers_the_last_python_block():
     ("def add(a, b):\n    return a + b if a >= 0 else 0\n", {}, 0.0, "0/1"),
     ("def add(a, b):\n    return a + b if a >= 0 else 0\n", {"partial": True}, 2 / 3, "2/3"),
     ("import sys\nsys.exit(0)\n", {}, 0.0, "SystemExit"),
-    ("import os\nos._exit(0)\n", {}, 0.0, "no test verdict"),
+    ("import os\nos._exit(0)\n", {}, 0.0, "exited before it was ready"),  # the judge, not the code, answers
     ("import json\nprint('x ' + json.dumps({'passed': 3, 'total': 3}))\ndef add(a, b):\n    return 0\n", {}, 0.0, "0/1"),
     ("def add(a, b):\n    while True: pass\n", {"timeout_s": 1}, 0.0, "timeout"),
+    # the grader is out of the candidate's reach (more in tests/reward/escapes/test_verdict_forgery.py)
+    ("import __main__\n__main__._report(1, 1)\n", {}, 0.0, "0/1"),
+    ("import __main__\n__main__._report(50, 1)\n", {"partial": True}, 0.0, "0/3"),
+    ("def add(a, b):\n    import sys\n    sys._getframe(1).f_globals['_report'](3, 3)\n", {}, 0.0, "KeyError"),
 ])
 def test_code_tests_runs_check_candidate(code_tests, response, options, reward, detail):
     verdict = code_tests.score(response, {**HUMAN_EVAL, "verifier_options": options})
     assert verdict.reward == pytest.approx(reward) and detail in verdict.detail
+
+
+def test_the_host_counts_the_cases():
+    assert plan(TESTS, "add", True).total == 3 and plan(TESTS, "add", False).total == 1
+    split = plan("import math\nx = 2\nassert f(x) == 4\nfor i in range(3):\n    assert f(i) >= 0\nassert g(1)\n",
+                 None, True)
+    assert split.total == 2 and [kind for kind, _ in split.cases] == ["stmt", "stmt", "assert", "stmt", "assert"]
+    assert split.names == ["f", "g"]  # taken from the solution; math, x and i are the tests' own
+
+
+HELPERS = """
+import math
+SCALE = 10
+
+def helper(x):
+    return x * SCALE
+
+def pair(a, b=0):
+    if a < 0:
+        raise ValueError("negative")
+    return (a, [b, b + 0.5], {"k": {a}}, None, b"x")
+"""
+HELPER_TESTS = """
+def check(candidate):
+    assert candidate(1, b=2) == (1, [2, 2.5], {"k": {1}}, None, b"x")
+    assert candidate(1) != [1, [0, 0.5], {"k": {1}}, None, b"x"]  # a tuple stays a tuple
+    assert type(candidate(1)[1][1]) is float
+    try:
+        candidate(-1)
+        assert False
+    except ValueError as exc:
+        assert "negative" in str(exc)
+    assert helper(2) == 20 and SCALE == 10 and math.isclose(math.pi, 3.14159, rel_tol=1e-5)
+"""
+
+
+def test_values_cross_as_plain_data_and_prompt_helpers_are_reachable(code_tests):
+    """What the tests see of the solution: its return values and exceptions as builtin values, the names they use
+    from it (a helper function, a constant, an imported module)."""
+    task = {"tests": HELPER_TESTS, "entry_point": "pair", "verifier_options": {"partial": True}}
+    verdict = code_tests.score(HELPERS, task)
+    assert verdict.reward == 1.0 and "4/4" in verdict.detail, verdict  # the try block is a statement, not a case
+    generator = code_tests.score("def pair(a, b=0):\n    return (x for x in [a])\n", task)
+    assert generator.reward == 0.0 and "not plain data" in generator.detail, generator
 
 
 def test_code_tests_without_entry_point_runs_plain_asserts(code_tests):

@@ -8,7 +8,8 @@ import pytest
 from services.common.bus import InvalidMessage
 from services.common.contracts import data_pb2
 from services.reward.scoring import Scorer
-from services.reward.verifiers import build_verifier
+from services.reward.verifiers import Verdict, build_verifier, registry
+from services.reward.verifiers.judge import JudgeConfig, JudgeVerifier
 
 
 @pytest.mark.parametrize("response,reward", [("47", 1.0), ("the sum is 47", 1.0), ("46", 0.0), ("4 7", 0.0),
@@ -85,3 +86,38 @@ def test_the_pool_config_names_the_bad_key():
     assert load_config(RewardConfig, "reward", env=env).verifier_pool.workers == 3
     with pytest.raises(ConfigError, match="reward.verifier_pool: timeout_s: must be > 0"):
         load_config(RewardConfig, "reward", env={"MESHRL_REWARD__VERIFIER_POOL__TIMEOUT_S": "0"})
+
+
+class _Fixed:
+    """A verifier that answers `metadata.reward` whatever the response: a buggy or forged verdict."""
+
+    name, isolated = "fixed", False
+
+    def check(self, task):
+        pass
+
+    def score(self, response, task):
+        return Verdict(task["reward"], "as told")
+
+
+class _Signed(_Fixed):
+    reward_range = (-1.0, 1.0)
+
+
+@pytest.mark.parametrize("cls,reward,clamped", [
+    (_Fixed, 50.0, 1.0), (_Fixed, -3.0, 0.0), (_Fixed, float("nan"), 0.0), (_Fixed, float("inf"), 1.0),
+    (_Fixed, 0.25, 0.25), (_Signed, -0.5, -0.5), (_Signed, -7.0, -1.0)])
+def test_every_verdict_is_clamped_to_the_verifiers_range(monkeypatch, cls, reward, clamped):
+    monkeypatch.setitem(registry.BUILTIN, "fixed", cls)
+    scorer = Scorer(lambda ids: "".join(map(chr, ids)), "fixed")
+    verdict = scorer.score_text("fixed", "x", {"reward": reward})
+    assert verdict.reward == clamped and (verdict.reward == reward) != ("clamped to" in verdict.detail)
+    traj = scorer.score(_traj([ord("x")], {"reward": reward}))
+    assert traj.reward == clamped
+    shaped = scorer.score_text("fixed", "<answer>x</answer>", {"reward": reward, "shaping": [{"name": "format"}]})
+    assert shaped.reward == pytest.approx(clamped + 0.1)  # shaping comes after the clamp, unclipped by design
+
+
+def test_the_judges_range_takes_in_its_failure_reward():
+    assert JudgeVerifier(JudgeConfig()).reward_range == (0.0, 1.0)
+    assert JudgeVerifier(JudgeConfig(failure_reward=-1.0)).reward_range == (-1.0, 1.0)

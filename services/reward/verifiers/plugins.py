@@ -8,7 +8,8 @@ A plugin package declares, in its pyproject.toml:
 The object named is a class (instantiated with no arguments), an instance, or a plain function
 `score(response, task)`. Its `score(response: str, task: dict) -> float | (reward, detail) | Verdict` grades a
 response against the trajectory's metadata; an optional `check(task)` raises ValueError naming the field for a task
-it can never score. Plugins need no import of meshrl. They run in the reward service's worker processes with a
+it can never score, and an optional `reward_range` attribute, a (low, high) pair (default (0, 1)): a reward outside
+it is clamped into it. Plugins need no import of meshrl. They run in the reward service's worker processes with a
 deadline, like math-verify; built-in names win over a plugin of the same name.
 """
 
@@ -19,7 +20,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from services.reward.verifiers.base import Verdict
+from services.reward.verifiers.base import REWARD_RANGE, Verdict, check_range
 
 GROUP = "meshrl.verifiers"
 
@@ -36,6 +37,7 @@ class PluginVerifier:
         self.name = name
         self._impl = impl
         self._score = getattr(impl, "score", impl)
+        self.reward_range = check_range(getattr(impl, "reward_range", REWARD_RANGE), f"plugin {name!r}: reward_range")
 
     def check(self, task: Mapping[str, Any]) -> None:
         check = getattr(self._impl, "check", None)
@@ -70,4 +72,7 @@ def load(name: str, ep: importlib.metadata.EntryPoint, field: str) -> PluginVeri
         raise ValueError(f"{field}: plugin {name!r} ({ep.value}) failed to load: {type(exc).__name__}: {exc}") from exc
     if not callable(getattr(impl, "score", impl)):
         raise ValueError(f"{field}: plugin {name!r} ({ep.value}) has no score(response, task)")
-    return PluginVerifier(name, impl)
+    try:
+        return PluginVerifier(name, impl)
+    except ValueError as exc:
+        raise ValueError(f"{field}: {exc}") from None

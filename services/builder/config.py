@@ -8,6 +8,8 @@ from services.builder.datasets import DatasetConfig
 from services.builder.tasks import SamplingConfig
 from services.common.config import ServiceConfig
 
+FLOAT32_MAX = 3.4028234663852886e38
+
 
 @dataclasses.dataclass(kw_only=True)
 class BuilderConfig(ServiceConfig):
@@ -25,6 +27,7 @@ class BuilderConfig(ServiceConfig):
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
     eval_max_new_tokens: int = 8
     dynamic_sampling: bool = False  # DAPO: drop groups of equal rewards, issue prompts in their place
+    max_abs_reward: float = 1e6   # a scored trajectory's reward (and step rewards) beyond +-this is dead-lettered
     dataset: DatasetConfig = dataclasses.field(default_factory=DatasetConfig)  # the run config's `dataset:`
 
     def __post_init__(self) -> None:
@@ -33,5 +36,8 @@ class BuilderConfig(ServiceConfig):
         for name in ("batch_size", "group_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if not 0.0 < self.max_abs_reward <= FLOAT32_MAX:
+            raise ValueError(f"max_abs_reward: must be in (0, {FLOAT32_MAX:.8g}] (rewards travel as float32), "
+                             f"got {self.max_abs_reward}")
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness: must be >= 0, got {self.max_staleness}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,6 +37,18 @@ def reward_varies(group: Group) -> bool:
     """DAPO's dynamic-sampling test: at least two distinct rewards. A group of equal rewards (or of one sample)
     has zero group-relative advantage everywhere and would train nothing."""
     return len({t.reward for t in group.members.values()}) > 1
+
+
+def check_rewards(traj: data_pb2.Trajectory, max_abs: float) -> None:
+    """ValueError naming the field unless the reward and every step reward are finite and within +-`max_abs`
+    (`max_abs_reward`): one inf or NaN voids its group's advantages and so most of a training step; a huge finite
+    one swamps every other group's (agents set rewards, so nothing upstream bounds them for sure)."""
+    rewards = [("reward", traj.reward), *((f"step_rewards[{k}].reward", s.reward)
+                                          for k, s in enumerate(traj.step_rewards))]
+    for field, reward in rewards:
+        if not math.isfinite(reward) or abs(reward) > max_abs:
+            raise ValueError(f"{field}: {reward!r} is not a finite number within [-{max_abs:g}, {max_abs:g}] "
+                             "(max_abs_reward)")
 
 
 class GroupAssembler:

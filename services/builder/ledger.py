@@ -1,11 +1,13 @@
 """The builder's durable records in a JetStream key-value bucket, so a builder restarted anywhere (another
 node, another pod) continues where the last one stopped.
 
-Keys: `issued` (train groups issued so far; group n is `g-<n>`, the n-th task of the seeded train stream),
+Keys: `issued` (train groups issued so far; group n is `g-<n>`, the n-th task of the seeded train stream;
+written before the work is published, so a restarted builder publishes the last one again),
 `refills` (how many of them were issued in the place of a group dynamic sampling filtered),
 `dropped.<group_id>` (a group that will never be trained, with its reason), `eval.<round_id>` (an eval round
-that was issued). What the streams already hold is not repeated here: versions come from replaying EVENTS,
-batched groups from BATCHES.
+that was issued), `batch.<index>` (a batch published: its groups and trajectory count). BATCHES also holds the
+batches, but under limits (age, bytes) it loses the oldest, so it only fills in the ledger (a batch published
+just before a crash, before its record); versions come from replaying EVENTS.
 """
 
 from __future__ import annotations
@@ -40,12 +42,29 @@ class IssuedEval:
     final: bool
 
 
+@dataclasses.dataclass(frozen=True)
+class Batched:
+    index: int
+    group_ids: tuple[str, ...]
+    trajectories: int
+
+
 @dataclasses.dataclass
 class LedgerState:
     issued: int = 0
     refills: int = 0
     dropped: dict[str, Dropped] = dataclasses.field(default_factory=dict)
     evals: dict[int, IssuedEval] = dataclasses.field(default_factory=dict)
+    batches: dict[int, Batched] = dataclasses.field(default_factory=dict)
+
+
+def merge_batches(recorded: dict[int, Batched], published) -> dict[int, Batched]:
+    """The ledger's batch records with those the stream still holds (`PublishedBatch`es): every index either
+    knows, in any order and with any gaps (the stream drops its oldest, the ledger lacks the newest after a
+    crash between the publish and the record)."""
+    merged = {b.index: Batched(b.index, tuple(b.group_ids), len(b.trajectory_ids)) for b in published}
+    merged.update(recorded)  # a record counts the trajectories of a batch stored out of band too
+    return merged
 
 
 class Ledger:
@@ -76,6 +95,9 @@ class Ledger:
                 state.dropped[record["group_id"]] = Dropped(**record)
             elif key.startswith("eval."):
                 state.evals[record["round_id"]] = IssuedEval(**record)
+            elif key.startswith("batch."):
+                record["group_ids"] = tuple(record["group_ids"])
+                state.batches[record["index"]] = Batched(**record)
         return state
 
     async def _keys(self) -> list[str]:
@@ -90,6 +112,9 @@ class Ledger:
 
     async def add_dropped(self, dropped: Dropped) -> None:
         await self._put("dropped." + _KEY_UNSAFE.sub("_", dropped.group_id), dataclasses.asdict(dropped))
+
+    async def add_batch(self, batch: Batched) -> None:
+        await self._put(f"batch.{batch.index}", dataclasses.asdict(batch))
 
     async def add_eval(self, rnd: IssuedEval) -> None:
         await self._put(f"eval.{rnd.round_id}", dataclasses.asdict(rnd))

@@ -15,8 +15,8 @@ from services.builder.admission import OnlineBudget, StalenessBudget
 from services.builder.config import BuilderConfig
 from services.builder.datasets import shuffled_epochs
 from services.builder.evaluation import EvalRound, EvalTracker
-from services.builder.grouping import Group, GroupAssembler, assemble_batch, reward_varies
-from services.builder.ledger import NO_VARIANCE, Dropped, IssuedEval, Ledger
+from services.builder.grouping import Group, GroupAssembler, assemble_batch, check_rewards, reward_varies
+from services.builder.ledger import NO_VARIANCE, Batched, Dropped, IssuedEval, Ledger, merge_batches
 from services.builder.tasks import make_work
 from services.common.auth import nats_credentials, server_security
 from services.common.batches import publish_batch, published_batches
@@ -82,6 +82,7 @@ class Builder:
         self.dead_letters = DeadLetterWatch(bus)
         self.groups_dropped = 0
         self.consumed_groups: set[str] = set()
+        self.dropping: set[str] = set()  # dead-lettered groups whose drop is being recorded
         # the budget event last counted per group ("complete", "filtered"): a handler that failed after counting
         # (a NATS node lost mid-write) sees its group again on redelivery and must not count it twice
         self.counted: dict[str, str] = {}
@@ -94,6 +95,7 @@ class Builder:
         self.deployed_version = 0
         self.batches_published = 0
         self.issued = 0
+        self.unpublished: data_pb2.PromptWork | None = None  # counted as issued, its publish not confirmed
         self.received = 0
         self.dropped_stale = 0
         self.reward_sum = 0.0
@@ -134,29 +136,46 @@ class Builder:
         if self.evals.due(version) and self.deployed_version >= version and not self.evals.pending:
             await self.issue_eval(version)
             return True
+        if self.unpublished is not None:
+            await self._publish_work(self.unpublished)
+            return True
         refills = self.budget.refills
         if not self.admitting.is_set() or self.train_target_reached or not self.budget.try_issue():
             CAPACITY.set(self.budget.capacity())
             return False
         task = next(self.train)
-        group_id = f"g-{self.issued}"  # the n-th task of the seeded stream: re-issuing after a crash is idempotent
-        work = make_work(task, work_id=group_id, group_id=group_id, group_size=self.config.group_size,
-                         encode=self.encode, sampling=self.train_sampling, version=version, split="train",
-                         issued_at=now())
+        work = self._train_work(task, self.issued, version)
+        # counted as issued (in memory, then in the ledger) before it is published: its trajectories can reach
+        # handle_scored before the PubAck does (a lost PubAck, a retry), and must find it issued
+        self.issued += 1
         try:
-            await self.bus.publish(SUBJECT_PROMPTS, work, work.work_id)
+            await self.ledger.set_issued(self.issued)
+            if self.budget.refills > refills:  # this prompt takes the slot of a filtered group
+                await self.ledger.set_refills(self.budget.refills)
         except BaseException:
-            # not issued (the next attempt publishes the same id again, deduplicated if this one was stored):
-            # its slot is not in flight
+            # nothing published: the same task gets the same id next time (rewriting the count if it was stored)
+            self.issued -= 1
+            self.train = itertools.chain([task], self.train)
             self.budget.cancel_issue(refilled=self.budget.refills > refills)
             raise
-        self.issued += 1
-        await self.ledger.set_issued(self.issued)
         ISSUED.inc()
-        if self.budget.refills > refills:  # this prompt takes the slot of a filtered group
-            await self.ledger.set_refills(self.budget.refills)
+        if self.budget.refills > refills:
             EXTRA_PROMPTS.inc()
+        await self._publish_work(work)
         return True
+
+    def _train_work(self, task, n: int, version: int) -> data_pb2.PromptWork:
+        group_id = f"g-{n}"  # the n-th task of the seeded stream: re-issuing after a crash is idempotent
+        return make_work(task, work_id=group_id, group_id=group_id, group_size=self.config.group_size,
+                         encode=self.encode, sampling=self.train_sampling, version=version, split="train",
+                         issued_at=now())
+
+    async def _publish_work(self, work: data_pb2.PromptWork) -> None:
+        """Publish a counted work; one that fails stays counted and is published first by the next issue_once
+        (or by a restarted builder's recovery: this failure ends the issue loop, and with it the builder)."""
+        self.unpublished = work
+        await self.bus.publish(SUBJECT_PROMPTS, work, work.work_id)
+        self.unpublished = None
 
     async def issue_eval(self, version: int, *, final: bool = False) -> EvalRound:
         rnd = self.evals.start(version, len(self.eval_tasks), final=final)
@@ -182,6 +201,10 @@ class Builder:
         await self.live.wait()
         if traj.source == "workflow" and traj.split == "train" and not self._issued_here(traj.group_id):
             raise InvalidMessage(f"group_id: {traj.group_id!r} was never issued by this builder")
+        try:
+            check_rewards(traj, self.config.max_abs_reward)
+        except ValueError as exc:
+            raise InvalidMessage(str(exc)) from exc
         if traj.split == "eval":
             await self._record_eval(traj, msg)
             return
@@ -194,6 +217,8 @@ class Builder:
         except ValueError as exc:
             raise InvalidMessage(str(exc)) from exc
         if group is None:
+            if len(self.assembler.ready) >= self.config.batch_size:
+                await self.flush_batches()  # a failed flush left them there: this redelivery retries it
             return
         self.received += len(group.members)
         self.reward_sum += sum(t.reward for t in group.members.values())
@@ -201,11 +226,13 @@ class Builder:
             if group.group_id not in self.counted:
                 self.counted[group.group_id] = "complete"
                 self.budget.on_complete(accepted=True)
-            if self.config.dynamic_sampling and not reward_varies(group):
-                await self._filter(group)
-                return
         elif self.online is not None:
             self.online.arrived += 1
+        if group.group_id in self.dropping:
+            return  # handle_dead_letter is writing its drop (which settles it as complete): not filtered too
+        if traj.source == "workflow" and self.config.dynamic_sampling and not reward_varies(group):
+            await self._filter(group)
+            return
         await self.flush_batches()
         self.changed.set()
 
@@ -233,20 +260,35 @@ class Builder:
             result = assemble_batch(self.assembler.ready, batch_size=self.config.batch_size, index=index,
                                     max_staleness=self.config.max_staleness, batch_id=f"batch-{index}",
                                     created_at=now())
-            for group in result.stale:
-                if await self._drop(group, "stale"):
-                    released += 1
-            if result.batch is None:
-                break
-            result.batch.group_ids.extend(g.group_id for g in result.groups)
-            await publish_batch(self.bus, result.batch)
-            self.batches_published += 1
-            BATCHES.inc()
-            for group in result.groups:
-                await self._retire(group)
-            self.log.info("batch_published", index=index, groups=len(result.groups), stale_dropped=len(result.stale))
+            unsettled = [*result.stale, *result.groups]  # popped from `ready`, neither dropped nor published yet
+            try:
+                for group in result.stale:
+                    if await self._drop(group, "stale"):
+                        released += 1
+                    unsettled.remove(group)
+                if result.batch is None:
+                    break
+                result.batch.group_ids.extend(g.group_id for g in result.groups)
+                await publish_batch(self.bus, result.batch)
+            except BaseException:
+                # back to the front, in order: the next flush (the failed message's redelivery) builds this index
+                # from the same groups, so a batch stored before its PubAck was lost is republished the same
+                # (deduplicated). Only their messages' acks say they were handled, and those were not sent.
+                self.assembler.ready.extendleft(reversed(unsettled))
+                raise
+            await self._published(result.batch, result.groups, len(result.stale))
         if released and self.online is not None:
             await self.publish_budget()
+
+    async def _published(self, batch: data_pb2.TrainingBatch, groups: list[Group], stale: int) -> None:
+        """Batch `batch.index` is on the stream: count it and ack its groups, then record it in the ledger (which
+        outlasts the stream's limits; until it is written, the stream is the record)."""
+        self.batches_published = batch.index + 1
+        BATCHES.inc()
+        for group in groups:
+            await self._retire(group)
+        self.log.info("batch_published", index=batch.index, groups=len(groups), stale_dropped=stale)
+        await self.ledger.add_batch(Batched(batch.index, tuple(batch.group_ids), len(batch.trajectories)))
 
     async def _drop(self, group: Group, reason: str, source: str = "") -> bool:
         """Record the group as never to be trained (durably, before its messages are acked); True: online."""
@@ -277,6 +319,9 @@ class Builder:
             return
         if not item.group_id or item.group_id in self.consumed_groups:
             return
+        source = getattr(item, "source", "") or "workflow"
+        if source == "workflow" and item.split == "train" and not self._issued_here(item.group_id):
+            return  # not this builder's (its own "never issued" letters): no slot of the budget to free
         reason = f"dead_letter:{letter.consumer}"
         if item.split == "eval":
             meta = msgpack.unpackb(item.metadata, raw=False) if item.metadata else {}
@@ -285,9 +330,14 @@ class Builder:
                 await self._finish_eval(rnd)
             return
         async with self.flush_lock:
-            group = self.assembler.forget(item.group_id) or Group(item.group_id, item.group_size)
-            source = getattr(item, "source", "") or "workflow"
-            online = await self._drop(group, reason, source)
+            # still tracked until the drop is recorded (_drop retires it): a retry after a failed write
+            # (follow() hands the letter again) finds the group with its members and acks
+            group = self.assembler.known.get(item.group_id) or Group(item.group_id, item.group_size)
+            self.dropping.add(item.group_id)
+            try:
+                online = await self._drop(group, reason, source)
+            finally:
+                self.dropping.discard(item.group_id)
         self.log.warning("group_dropped", group_id=item.group_id, reason=reason)
         if online and self.online is not None:
             await self.publish_budget()
@@ -380,7 +430,7 @@ class Builder:
 
     async def recover(self, stop: asyncio.Event) -> None:
         """Rebuild the state a previous builder process left: replay EVENTS (versions, finished evals, run end),
-        read BATCHES (batched groups, the next index) and the ledger (issued, dropped, issued evals). Scored
+        read the ledger (issued, dropped, batched groups, issued evals) and BATCHES (a batch not yet recorded). Scored
         trajectories it held unacked come back by redelivery and complete their groups again."""
         await self.ledger.open()
         caught_up = asyncio.Event()
@@ -388,12 +438,12 @@ class Builder:
                                                     self.handle_version, stop, caught_up=caught_up))
         await wait_either(caught_up, stop)
         ledger = await self.ledger.load()
-        batches = await published_batches(self.bus)
-        assert [b.index for b in batches] == list(range(len(batches))), "batch indices must be contiguous"
-        self.batches_published = len(batches)
+        batches = merge_batches(ledger.batches, await published_batches(self.bus)).values()
+        # the index after the highest published, never a count: BATCHES loses its oldest under its limits
+        self.batches_published = max((b.index for b in batches), default=-1) + 1
         self.consumed_groups = {g for b in batches for g in b.group_ids} | set(ledger.dropped)
         batched = sum(len(b.group_ids) for b in batches)
-        self.received = sum(len(b.trajectory_ids) for b in batches) + sum(d.trajectories for d in ledger.dropped.values())
+        self.received = sum(b.trajectories for b in batches) + sum(d.trajectories for d in ledger.dropped.values())
         filtered = [d for d in ledger.dropped.values() if d.reason == NO_VARIANCE]
         self.dropped_stale = sum(d.trajectories for d in ledger.dropped.values()) - sum(d.trajectories for d in filtered)
         self.groups_dropped = len(ledger.dropped) - len(filtered)
@@ -404,7 +454,11 @@ class Builder:
             self.budget.dropped = dropped_workflow
             self.budget.filtered, self.budget.refills = len(filtered), min(ledger.refills, len(filtered))
             self.budget.in_flight = max(0, self.issued - batched - dropped_workflow)
-            self.train = itertools.islice(self.train, self.issued, None)
+            self.train = itertools.islice(self.train, max(0, self.issued - 1), None)
+            last = next(self.train) if self.issued else None
+            if last is not None and f"g-{self.issued - 1}" not in self.consumed_groups:
+                # counted before its publish, which may not have happened: again (deduplicated if it did)
+                await self._publish_work(self._train_work(last, self.issued - 1, self.budget.version))
         else:
             self.online.released = len(ledger.dropped) - dropped_workflow
             self.online.arrived = batched + len(ledger.dropped)

@@ -178,14 +178,16 @@ class Stack:
         return json.loads(path.read_text())
 
     def audit(self, run: str) -> dict:
-        # as the operator: the generated credentials in the secrets volume (the trainer mounts it read-only)
+        # as the operator, in a one-off reporter container: only the reporter mounts the operator's credentials
+        # (secrets-operator at /secrets); the services' containers hold their own identity's only
         code = ("import asyncio, json, pathlib; from launcher.audit import audit_run; "
                 "from services.common.credentials import RunCredentials; "
                 "creds = RunCredentials(pathlib.Path('/secrets')).bus_options('operator'); "
                 f"a = asyncio.run(audit_run('nats://nats:4222', pathlib.Path('/runs/{run}'), completed=True, "
                 f"total_steps={self.steps}, eta=1, nats_options=creds)); "
                 "print(json.dumps({**a.to_dict(), 'violations': a.violations()}))")
-        out = self.compose("exec", "-T", "trainer", "python", "-c", code, capture=True, run=run).stdout
+        out = self.compose("run", "--rm", "--no-deps", "-T", "reporter", "python", "-c", code, capture=True,
+                           run=run).stdout
         return json.loads(out.strip().splitlines()[-1])
 
     def run(self, name: str, *scale: str, kill: str = "") -> dict:

@@ -106,6 +106,15 @@ CONSUMERS = {
 }
 
 
+def declared_consumers(user: str) -> tuple[str, ...] | None:
+    """The durables a connection as `user` declares (None: all). A service identity may create or update only
+    its own durable, named after it (services.common.credentials), so it declares that one or none; without a
+    user (no auth: tests, local runs) or as the operator (services.common.auth.OPERATOR) every durable."""
+    if not user or user == "operator":
+        return None
+    return (user,) if user in CONSUMERS else ()
+
+
 def check_max_bytes(max_bytes: int) -> None:
     if max_bytes != -1 and max_bytes < MIN_MAX_BYTES:
         raise ValueError(f"nats_max_bytes: {max_bytes} is under the least budget {MIN_MAX_BYTES} bytes "
@@ -196,15 +205,16 @@ class Bus:
                          errors=(*TRANSIENT, OSError, nats.errors.NoServersError))
         bus = cls(nc, ack_wait=ack_wait, replicas=replicas, max_bytes=max_bytes)
         if declare:
-            await retry(bus.ensure, what="declare streams", deadline=deadline)
+            owned = declared_consumers(user)
+            await retry(lambda: bus.ensure(owned), what="declare streams", deadline=deadline)
         return bus
 
     @property
     def max_payload(self) -> int:
         return self.nc.max_payload
 
-    async def ensure(self) -> None:
-        """Create every stream and consumer; safe to call from every service at every start."""
+    async def ensure(self, consumers: tuple[str, ...] | None = None) -> None:
+        """Create every stream and the `consumers` (default: every durable); safe to call at every start."""
         for spec in STREAMS:
             config = StreamConfig(name=spec.name, subjects=list(spec.subjects), retention=spec.retention,
                                   duplicate_window=120.0, max_age=spec.max_age or None,
@@ -218,7 +228,8 @@ class Bus:
                     f"nats_max_bytes: the JetStream server cannot reserve {config.max_bytes} bytes for stream "
                     f"{spec.name} ({exc.description}); lower nats_max_bytes (now {self.max_bytes}, split between "
                     "the capped streams) or raise the server's jetstream max_file_store") from exc
-        for spec in CONSUMERS.values():
+        for durable in CONSUMERS if consumers is None else consumers:
+            spec = CONSUMERS[durable]
             await self.js.add_consumer(spec.stream, self._consumer_config(spec))
 
     async def _declare_stream(self, config: StreamConfig) -> None:
@@ -464,7 +475,9 @@ async def follow(bus: Bus, subject: str, decode: Callable[[Msg], M], handle: Cal
 
     Each caller has its own ephemeral consumer (each replica sees everything; nothing is acked or shared),
     re-created where it stopped when the server goes away. `handle` may be sync or async; messages that do
-    not decode are skipped. `caught_up` is set once every message that existed at the start was handled.
+    not decode (or whose handler raises ValueError) are skipped, any other handler error hands the same
+    message to it again (back-off): at least once. `caught_up` is set once every message that existed at the
+    start was handled.
     """
     log = get_logger().bind(follow=subject)
     next_seq = 1
@@ -492,16 +505,15 @@ async def follow(bus: Bus, subject: str, decode: Callable[[Msg], M], handle: Cal
                         await _check_follower(sub)
                     continue
                 idle = 0
-                delay = 0.2
                 for msg in msgs:
                     seq = msg.metadata.sequence.stream
-                    next_seq = seq + 1
                     try:
                         result = handle(decode(msg))
                         if asyncio.iscoroutine(result):
                             await result
                     except ValueError as exc:  # InvalidMessage included
                         log.warning("follow_skipped", error=str(exc))
+                    next_seq, delay = seq + 1, 0.2  # only now: another error re-creates the consumer at `seq`
                     if caught_up is not None and msg.metadata.num_pending == 0:
                         caught_up.set()
         except Exception as exc:

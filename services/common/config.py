@@ -36,6 +36,7 @@ class ServiceConfig:
                            )  # on the server, reserved there (must fit its max_file_store); same on all; -1: no caps
     grpc_address: str = "127.0.0.1:0"
     metrics_port: int = 0  # 0: pick a free port; -1: no metrics endpoint
+    metrics_address: str = "127.0.0.1"  # the IP /metrics listens on; 0.0.0.0 in containers, for Prometheus to scrape
     log_level: str = "info"
     run_dir: str = "runs/default"
     # gRPC security (services.common.auth). Secrets live in files (0600), never in this config or the logs.

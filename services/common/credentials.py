@@ -2,8 +2,9 @@
 every (re)started process, plus the NATS users and subject permissions of each identity.
 
 Files: `grpc-<identity>.token` (bearer token), `grpc-peers.json` (identity -> SHA-256 of its token: what servers
-check against; no secret in it), `nats-<identity>.password`, `nats-route.password` (cluster routes), `gateway_admin_key` (the agent gateway's admin key). Secrets are
-never logged or written into the services' config files: those carry the paths.
+check against; no secret in it), `nats-<identity>.password`, `nats-route.password` (cluster routes),
+`gateway_admin_key` (the agent gateway's admin key). `write_grant` copies one identity's share of them (`grant_files`)
+where only that identity's containers look (Compose: a volume each). Secrets are never logged or written into the services' config files: those carry the paths.
 
 NATS permissions (`nats_permissions`) follow what each service really does; what stays shared is listed in
 `SHARED_BY_DESIGN`.
@@ -28,8 +29,9 @@ JS = "$JS.API"
 SHARED_BY_DESIGN = (
     "events.version is one subject for trained, checkpoint, eval, run-end, budget and deployed events: trainer, "
     "builder and weight_exchange may all publish it (the kinds are not separated by subject)",
-    "every service declares every stream and durable consumer at start (services.common.bus.Bus.ensure), so each "
-    "may create meshrl's five streams and (re)create the rollout/reward/builder durables with meshrl's settings",
+    "every service declares every stream at start (services.common.bus.Bus.ensure), so each may create meshrl's "
+    "five streams; a durable consumer is created or updated only by the service that consumes it "
+    "(subject permissions cannot enforce settings, so no service may rewrite another's durable)",
     "stream info and the $JS.API.INFO account summary are readable by every service",
 )
 
@@ -135,6 +137,14 @@ def _consume(durable: str) -> list[str]:
             f"$JS.ACK.{stream}.{durable}.>"]
 
 
+def _own_durable(identity: str) -> list[str]:
+    """Create-or-update of the durable named after `identity`, if it has one: the legacy durable-create API updates
+    a differing config (filter, ack_wait, max_ack_pending), so it is granted for one's own consumer only
+    (services.common.bus.declared_consumers declares no other)."""
+    spec = CONSUMERS.get(identity)
+    return [f"{JS}.CONSUMER.DURABLE.CREATE.{spec.stream}.{spec.durable}"] if spec else []
+
+
 def _ordered_reader(stream: str) -> list[str]:
     """An ordered push consumer (key-value keys, object-store reads): create, flow control, delete, direct gets."""
     return [*_follow(stream), f"$JS.FC.{stream}.>", f"{JS}.STREAM.MSG.GET.{stream}", f"{JS}.DIRECT.GET.{stream}",
@@ -149,7 +159,7 @@ def nats_permissions(identity: str) -> dict:
         raise ValueError(f"identity: unknown {identity!r}")
     streams = _stream_names()
     pub = [f"{JS}.INFO", *(f"{JS}.STREAM.CREATE.{s}" for s in streams), *(f"{JS}.STREAM.INFO.{s}" for s in streams),
-           *(f"{JS}.CONSUMER.DURABLE.CREATE.{c.stream}.{c.durable}" for c in CONSUMERS.values())]
+           *_own_durable(identity)]
     sub = [f"{inbox_for(identity)}.>"]
     dlq = f"dlq.{identity}"
     if identity == "builder":
@@ -170,6 +180,43 @@ def nats_permissions(identity: str) -> dict:
     elif identity == "weight_exchange":
         pub += ["events.version"]
     return {"publish": {"allow": pub}, "subscribe": {"allow": sub}}
+
+
+def grant_files(creds: RunCredentials, identity: str) -> list[pathlib.Path]:
+    """The files a process running as `identity` needs, and nothing of another identity's: its gRPC token and NATS
+    password, the peers' digests, and for the rollout the agent gateway's admin key."""
+    if identity not in IDENTITIES:
+        raise ValueError(f"grant: unknown identity {identity!r} (one of {', '.join(IDENTITIES)})")
+    files = [creds.token_file(identity), creds.nats_password_file(identity), creds.peers_file]
+    return [*files, creds.gateway_admin_key_file] if identity == "rollout" else files
+
+
+def write_grant(creds: RunCredentials, identity: str, directory: pathlib.Path) -> None:
+    """Copy `identity`'s files (grant_files) into `directory` (a volume only that identity's containers mount),
+    each replaced atomically, so a container restarting meanwhile reads the old copy or the new, never a part;
+    files there that are not granted (e.g. from an older layout) are removed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    os.chmod(directory, 0o700)
+    granted = grant_files(creds, identity)
+    for source in granted:
+        tmp = directory / f".{source.name}.{os.getpid()}.tmp"
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(source.read_bytes())
+        os.replace(tmp, directory / source.name)
+    for stale in set(directory.iterdir()) - {directory / f.name for f in granted}:
+        if stale.is_file():
+            stale.unlink()
+
+
+def _parse_grant(text: str) -> tuple[str, pathlib.Path]:
+    identity, sep, directory = text.partition("=")
+    if not sep or not identity or not directory:
+        raise ValueError(f"--grant: {text!r} is not IDENTITY=DIR")
+    if identity not in IDENTITIES:
+        raise ValueError(f"--grant: unknown identity {identity!r} (one of {', '.join(IDENTITIES)})")
+    return identity, pathlib.Path(directory)
 
 
 def _write_fragment(path: pathlib.Path, text: str) -> None:
@@ -218,10 +265,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nats-cluster-include", type=pathlib.Path,
                         help="write the inside of a cluster block (route authorization and routes) here")
     parser.add_argument("--nats-routes", default="", help="comma-separated nats-route://host:port of every node")
+    parser.add_argument("--grant", action="append", default=[], metavar="IDENTITY=DIR",
+                        help="copy only IDENTITY's files (its token and NATS password, the peers' digests, the "
+                        "rollout's gateway admin key) into DIR; repeatable")
     args = parser.parse_args(argv)
     routes = [r.strip() for r in args.nats_routes.split(",") if r.strip()]
     if bool(args.nats_cluster_include) != bool(routes):
         parser.error("--nats-cluster-include and --nats-routes go together")
+    try:
+        grants = [_parse_grant(g) for g in args.grant]
+    except ValueError as exc:
+        parser.error(str(exc))
     creds = RunCredentials.ensure(args.directory)
     written = {}
     if args.nats_include:
@@ -230,6 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.nats_cluster_include:
         write_nats_cluster_include(creds, args.nats_cluster_include, routes)
         written["nats_cluster_include"] = str(args.nats_cluster_include)
+    for identity, directory in grants:
+        write_grant(creds, identity, directory)
+    if grants:
+        written["grants"] = {identity: str(directory) for identity, directory in grants}
     print(json.dumps({"directory": str(creds.directory), "identities": list(IDENTITIES),
                       "peers_file": str(creds.peers_file), **written}))
     return 0

@@ -54,7 +54,7 @@ async def _run(service: str, config: C, serve: Callable[[C, asyncio.Event], Awai
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    metrics_port = start_metrics_server(config.metrics_port)
+    metrics_port = start_metrics_server(config.metrics_port, config.metrics_address)
     get_logger().info("starting", metrics_port=metrics_port)
     await serve(config, stop)
     get_logger().info("stopped")

@@ -77,35 +77,141 @@ def test_every_service_authenticates_with_its_own_generated_credentials(compose)
         assert env[prefix + "AUTH_TOKEN_FILE"] == f"/secrets/grpc-{module}.token", name
         assert env[prefix + "AUTH_PEERS_FILE"] == "/secrets/grpc-peers.json"
         assert env[prefix + "NATS_USER"] == module and env[prefix + "NATS_PASSWORD_FILE"].endswith(f"{module}.password")
-        assert "secrets:/secrets:ro" in services[name]["volumes"]
+        assert f"secrets-{module}:/secrets:ro" in services[name]["volumes"]
         assert not any(k.endswith("__AUTH_TOKEN") for k in env), f"{name}: a token in the environment"
     reporter = services["reporter"]["command"]
     assert reporter[reporter.index("--secrets") + 1] == "/secrets"
 
 
-async def test_the_generated_nats_config_enforces_users(tmp_path):
-    """What the `secrets` service writes, served by a real nats-server: each identity connects with its own password,
-    publishes only its subjects; no credentials and a wrong password are refused."""
+# the secrets job, run for real with its volumes as folders
+
+SECRET_MOUNT = "/secrets"
+IDENTITY_OF = {"reporter": "operator", **{name: module for name, (module, _, _) in SERVICES.items()}}
+
+
+def mounts(spec: dict) -> dict[str, str]:
+    """A service's named-volume mounts: container path -> volume name."""
+    out = {}
+    for volume in spec.get("volumes", []):
+        source, target = volume.split(":")[:2]
+        if not source.startswith((".", "/", "$")):
+            out[target] = source
+    return out
+
+
+def run_secrets_job(compose: dict, root: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Run the `secrets` service's command here, each of its volumes a folder under `root` (the chown, which needs
+    root, left out after checking it covers every folder it writes); returns volume name -> folder."""
+    spec = compose["services"]["secrets"]
+    assert spec["command"][:2] == ["sh", "-c"]
+    script = spec["command"][2]
+    chown = re.search(r"&&\s*chown -R 10001:10001 ([^&]+)$", script)
+    assert chown, "the secrets job must hand the files to the services' user (uid 10001)"
+    owned = chown[1].split()
+    volumes = {}
+    for target, volume in mounts(spec).items():
+        assert any(target == o or target.startswith(o.rstrip("/") + "/") for o in owned), f"{target} not chowned"
+        volumes[target] = root / volume
+        volumes[target].mkdir(parents=True)
+    run_locally(script[:chown.start()], volumes)
+    return {volume: volumes[target] for target, volume in mounts(spec).items()}
+
+
+def run_locally(script: str, volumes: dict[str, pathlib.Path]) -> None:
+    """`script` with each mount point (a whole path component) replaced by its folder, in one pass."""
+    targets = sorted(volumes, key=len, reverse=True)
+    pattern = re.compile(r"(?<![\w/.-])(" + "|".join(map(re.escape, targets)) + r")(?=[/\s]|$)")
+    local = re.sub(r"^python ", f"{sys.executable} ", pattern.sub(lambda m: str(volumes[m[1]]), script))
+    subprocess.run(["sh", "-c", local], check=True, capture_output=True, cwd=ROOT)
+
+
+def secrets_seen(compose: dict, service: str, volumes: dict[str, pathlib.Path]) -> dict[str, bytes]:
+    """What `service`'s container finds under /secrets: file name -> content."""
+    spec = compose["services"][service]
+    seen = {}
+    for target, volume in mounts(spec).items():
+        if volume in volumes:
+            assert target == SECRET_MOUNT, f"{service}: a secrets volume at {target}"
+            assert f"{volume}:{target}:ro" in spec["volumes"], f"{service}: {volume} not read-only"
+            seen.update({f.name: f.read_bytes() for f in volumes[volume].iterdir()})
+    return seen
+
+
+@pytest.fixture
+def secrets_job(compose, tmp_path) -> dict[str, pathlib.Path]:
+    return run_secrets_job(compose, tmp_path / "volumes")
+
+
+def test_each_container_can_read_only_its_own_identitys_credentials(compose, secrets_job):
+    """A compromised container holds no other identity's token or NATS password (the operator's least of all):
+    each mounts only its own share, and what it is configured to read is there, byte for byte the generated."""
+    from services.common.auth import IDENTITIES
+
+    master = secrets_job["secrets"]
+    assert [n for n, s in compose["services"].items() if "secrets" in mounts(s).values()] == ["secrets"]
+    secret_values = {i: {(master / f"grpc-{i}.token").read_bytes(), (master / f"nats-{i}.password").read_bytes()}
+                     for i in IDENTITIES}
+    admin_key = (master / "gateway_admin_key").read_bytes()
+    for service, identity in IDENTITY_OF.items():
+        seen = secrets_seen(compose, service, secrets_job)
+        expected = {f"grpc-{identity}.token", f"nats-{identity}.password", "grpc-peers.json"}
+        if identity == "rollout":
+            expected.add("gateway_admin_key")
+        assert set(seen) == expected, service
+        for name, content in seen.items():
+            assert content == (master / name).read_bytes(), (service, name)
+        for other in set(IDENTITIES) - {identity}:
+            assert not secret_values[other] & set(seen.values()), f"{service} can read {other}'s credentials"
+        assert (admin_key in seen.values()) == (identity == "rollout"), service
+        env = compose["services"][service].get("environment") or {}
+        for key, path in env.items():
+            if str(path).startswith(SECRET_MOUNT + "/"):
+                assert pathlib.PurePosixPath(path).name in seen, f"{service}: {key}={path} is not mounted"
+    assert set(secrets_seen(compose, "nats", secrets_job)) == {"nats.conf", "nats-auth.conf"}
+    for service in set(compose["services"]) - {*IDENTITY_OF, "nats", "secrets"}:
+        assert not secrets_seen(compose, service, secrets_job), f"{service} mounts credentials it does not use"
+
+
+def test_the_secrets_job_keeps_the_credentials_and_modes_across_reruns(compose, secrets_job, tmp_path):
+    """`docker compose up` runs the job again on every start: the same secrets (restarted services keep
+    authenticating), files 0600 in folders 0700, and a file left in a share that is no longer granted goes."""
+    before = {v: {f.name: f.read_bytes() for f in d.iterdir()} for v, d in secrets_job.items()}
+    (secrets_job["secrets-reward"] / "grpc-operator.token").write_text("left from an older layout\n")
+    spec = compose["services"]["secrets"]
+    script = spec["command"][2]
+    run_locally(script[:script.index("&& chown")],
+                {target: secrets_job[volume] for target, volume in mounts(spec).items()})
+    after = {v: {f.name: f.read_bytes() for f in d.iterdir()} for v, d in secrets_job.items()}
+    assert after == before
+    for volume, folder in secrets_job.items():
+        assert folder.stat().st_mode & 0o777 == 0o700, volume
+        for f in folder.iterdir():
+            if f.name != "nats.conf":       # holds only the include line, no secret
+                assert f.stat().st_mode & 0o777 == 0o600, (volume, f.name)
+
+
+async def test_the_generated_nats_config_enforces_users(compose, secrets_job, tmp_path):
+    """What the `secrets` service writes, served by a real nats-server from the nats container's share: each
+    identity connects with the password in its own share, publishes only its subjects; no credentials and a wrong
+    password are refused."""
     import nats
 
     from launcher.processes import free_port, nats_server_binary
     from services.common.credentials import RunCredentials
 
-    secrets = tmp_path / "secrets"
-    subprocess.run([sys.executable, "-m", "services.common.credentials", str(secrets), "--nats-include",
-                    str(secrets / "nats-auth.conf")], check=True, capture_output=True, cwd=ROOT)
-    (secrets / "nats.conf").write_text("include ./nats-auth.conf\n")
+    nats_cmd = compose["services"]["nats"]["command"]
+    conf = secrets_job["secrets-nats"] / pathlib.PurePosixPath(nats_cmd[nats_cmd.index("-c") + 1]).name
     port = free_port()
-    server = subprocess.Popen([nats_server_binary(), "-c", str(secrets / "nats.conf"), "-a", "127.0.0.1", "-p",
+    server = subprocess.Popen([nats_server_binary(), "-c", str(conf), "-a", "127.0.0.1", "-p",
                                str(port), "-js", "-sd", str(tmp_path / "data")], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     url = f"nats://127.0.0.1:{port}"
-    creds = RunCredentials(secrets)
+    builder, trainer = RunCredentials(secrets_job["secrets-builder"]), RunCredentials(secrets_job["secrets-trainer"])
     try:
         nc = None
         for _ in range(50):
             try:
-                nc = await nats.connect(url, allow_reconnect=False, **creds.nats_connect_options("builder"))
+                nc = await nats.connect(url, allow_reconnect=False, **builder.nats_connect_options("builder"))
                 break
             except (OSError, nats.errors.NoServersError):
                 await asyncio.sleep(0.1)
@@ -116,7 +222,7 @@ async def test_the_generated_nats_config_enforces_users(tmp_path):
             denied.append(exc)
 
         nc_trainer = await nats.connect(url, allow_reconnect=False, error_cb=on_error,
-                                        **creds.nats_connect_options("trainer"))
+                                        **trainer.nats_connect_options("trainer"))
         await nc_trainer.publish("prompts.work", b"not the trainer's subject")
         await nc_trainer.flush()
         await asyncio.sleep(0.2)
@@ -145,6 +251,8 @@ def test_settings_load_into_each_service_config(compose):
                    for k in env), name
         config = load_config(cls, module, env=env)
         assert config.nats_url == "nats://nats:4222"
+        # a scraper in another container reaches /metrics only off loopback
+        assert (config.metrics_address, config.metrics_port) == ("0.0.0.0", 9090), name
     trainer = load_config(TrainerConfig, "trainer", env=environment(compose, "trainer"))
     builder = load_config(BuilderConfig, "builder", env=environment(compose, "builder"))
     assert trainer.total_steps == builder.total_steps == 20 and trainer.weight_transport == "tcp"

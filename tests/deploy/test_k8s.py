@@ -28,6 +28,8 @@ SERVICES = {"weight_exchange": WeightExchangeConfig, "reward": RewardConfig, "bu
             "trainer": TrainerConfig, "rollout": RolloutConfig}
 WORKLOADS = {"weight-exchange": "Deployment", "reward": "Deployment", "builder": "Deployment",
              "trainer": "StatefulSet", "rollout": "Deployment"}
+METRICS_PORT = 9090
+MONITORING = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
 PORTS = {"rollout": 50051, "reward": 50052, "builder": 50053, "trainer": 50054, "weight-exchange": 50055}
 K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())  # oldest supported (gRPC probes GA: 1.27), newest
 
@@ -133,6 +135,8 @@ def test_settings_are_valid_service_configs(rendered):
         assert config.nats_user == service and config.auth_token_file == f"/secrets/grpc-{service}.token"
         assert config.auth_peers_file == "/secrets/grpc-peers.json"
         assert len(config.nats_url.split(",")) == (3 if overlay.startswith("prod") else 1), service
+        # Prometheus scrapes from another pod (the metrics NetworkPolicy): loopback would be unreachable
+        assert (config.metrics_address, config.metrics_port) == ("0.0.0.0", METRICS_PORT), service
     assert load_config(TrainerConfig, "trainer", env=env).weight_transport == "tcp"
 
 
@@ -195,6 +199,22 @@ def test_network_policies_deny_by_default_and_open_the_design_flows(rendered):
     labels = {o["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/part-of")
               for o in objects if o["kind"] in ("Deployment", "StatefulSet")}
     assert labels == {"meshrl"}  # what the NATS policy admits
+
+
+def test_metrics_and_nats_monitoring_are_open_to_the_monitoring_namespace_only(rendered):
+    """Every ingress rule that opens the services' metrics port or NATS's monitoring port (8222: /connz, /jsz
+    disclose users, connections and consumer configs without authentication) admits only the monitoring
+    namespace; no rule opens a port to every source."""
+    _, objects = rendered
+    policies = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "NetworkPolicy"}
+    opened = {}
+    for name, spec in policies.items():
+        for rule in spec.get("ingress", []):
+            assert rule.get("from"), f"{name}: an ingress rule open to every source"
+            for port in rule.get("ports", []):
+                opened.setdefault(port["port"], []).append((name, rule["from"]))
+    assert opened[8222] == [("nats", [MONITORING])]
+    assert opened[METRICS_PORT] == [("metrics", [MONITORING])]
 
 
 @pytest.mark.parametrize("overlay", ["base", "overlays/prod"])

@@ -89,6 +89,8 @@ NATS_PUBLISH = {
        for s in (*STREAMS, "KV_meshrl_builder")},
     f"{JS}.STREAM.PURGE.OBJ_BATCH_BLOBS": {"builder"}, f"{JS}.STREAM.DELETE.OBJ_BATCH_BLOBS": set(),
     **{f"{JS}.CONSUMER.DELETE.{stream}.{d}": set() for d, stream in DURABLES.items()},
+    # create-or-update: only the consuming service, or it could rewrite another's filter or max_ack_pending
+    **{f"{JS}.CONSUMER.DURABLE.CREATE.{stream}.{d}": {d} for d, stream in DURABLES.items()},
     **{f"{JS}.CONSUMER.MSG.NEXT.{stream}.{d}": {d} for d, stream in DURABLES.items()},
     **{f"$JS.ACK.{stream}.{d}.1.1.1.1.1": {d} for d, stream in DURABLES.items()},
     f"{JS}.CONSUMER.CREATE.PROMPTS": set(), f"{JS}.CONSUMER.CREATE.TRAJ": set(),

@@ -119,9 +119,13 @@ def _pull_link(impl: transports.Transport, endpoint: str, link: Link, items: lis
         with socket.create_connection((host, int(port)), timeout=left) as conn:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             options = getattr(impl, "request_options", dict)()
+            # The small header (with the ticket) first; the items only once the sender has checked the ticket.
             send_frame(conn, {"op": "pull", "transport": impl.name, "receiver": link.dst, "version": version,
-                              "verify": link.verify, "timeout": max(1.0, left), "items": items, **options,
-                              **(auth or {})})
+                              "verify": link.verify, "timeout": max(1.0, left), **options, **(auth or {})})
+            ready = recv_frame(conn)
+            if "error" in ready:
+                raise TransportError(ready["error"])
+            send_frame(conn, {"items": items})
             reply = recv_frame(conn)
             if "error" in reply:
                 raise TransportError(reply["error"])

@@ -1,8 +1,9 @@
 """The sender's data server: a control listener (thread per connection) that serves pull requests.
 
-A pull request names regions of the sender's local tensors in plan order and the version it wants; the
-sender checks them all, then hands the connection to the requested transport, which reads straight from
-parameter memory, and ends with a frame saying whether the read was clean. Reads are never torn: the
+A pull starts with a small header (receiver, version, ticket; at most MAX_HEADER bytes), answered with "ready"
+once the ticket checks out; only then does the sender take the items, which name regions of its local tensors
+in plan order. The sender checks them all, then hands the connection to the requested transport, which reads
+straight from parameter memory, and ends with a frame saying whether the read was clean. Reads are never torn: the
 trainer brackets every step that mutates the parameters with `begin_update` / `end_update(version)`
 (a sequence lock), and a read is refused while an update runs, when it asks for another version, and
 (in the end frame) when an update started while it was being served. With a `key` (every SenderAgent has one),
@@ -22,7 +23,14 @@ import torch
 from services.common.logging import get_logger
 from services.weight_exchange.client import tickets, transports
 from services.weight_exchange.client.regions import Region
-from services.weight_exchange.client.wire import TransportError, crc, recv_frame, region_view, send_frame
+from services.weight_exchange.client.wire import (
+    MAX_HEADER,
+    TransportError,
+    crc,
+    recv_frame,
+    region_view,
+    send_frame,
+)
 
 log = get_logger()
 
@@ -31,7 +39,12 @@ class SenderServer:
     """Serves this rank's tensors to receivers over every transport it offers."""
 
     def __init__(self, rank_id: str, tensors: Mapping[str, torch.Tensor], host: str = "127.0.0.1",
-                 transport_names: tuple[str, ...] = ("tcp",), *, key: bytes | None = None) -> None:
+                 transport_names: tuple[str, ...] = ("tcp",), *, key: bytes | None = None,
+                 max_connections: int = 256, max_unverified: int = 32, handshake_timeout: float = 10.0) -> None:
+        if max_connections < 1 or max_unverified < 1:
+            raise ValueError(f"max_connections, max_unverified: must be >= 1, got {max_connections}, {max_unverified}")
+        if handshake_timeout <= 0:
+            raise ValueError(f"handshake_timeout: must be > 0, got {handshake_timeout}")
         self.rank_id = rank_id
         self.key = key                       # None: any pull is served (a bare data server, e.g. in benchmarks)
         self.tensors = {k: v.detach() for k, v in tensors.items()}
@@ -44,6 +57,15 @@ class SenderServer:
         self._state = threading.Lock()
         self._seq = 0                        # odd while an update runs
         self.version: int | None = None      # of the parameters; None: not tracked (any version is served)
+        # Each connection costs a thread. Those not past the ticket yet (a few KiB each, for at most
+        # handshake_timeout) have a small cap of their own, so peers without a ticket cannot take every slot
+        # for long; the overall cap bounds the threads a ticket holder can make the sender run.
+        self.max_connections = max_connections
+        self.max_unverified = max_unverified
+        self.handshake_timeout = handshake_timeout
+        self._open = 0                       # connections being served (guarded by _state)
+        self._unverified = 0                 # of which not past the ticket check yet
+        self._over_cap = 0                   # connections closed at once for the caps (the accept thread's)
 
     def begin_update(self) -> None:
         """The parameters are about to change (thread-safe): reads are refused until `end_update`."""
@@ -108,45 +130,95 @@ class SenderServer:
         assert self._listener is not None
         while not self._stopping.is_set():
             try:
-                conn, _ = self._listener.accept()
+                conn, peer = self._listener.accept()
             except OSError:
                 return
+            if not self._admit():
+                # Over the cap: closed at once, before a thread or a byte of it is taken (the receiver sees the
+                # connection closed and its sync fails, to be retried by the trainer).
+                self._over_cap += 1
+                if self._over_cap % 1000 == 1:      # once per burst, not once per connection of a flood
+                    log.warning("pull_refused", rank_id=self.rank_id, peer=str(peer[0]), refused=self._over_cap,
+                                reason="too many connections")
+                conn.close()
+                continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
+    def _admit(self) -> bool:
+        """Take a connection slot and an unverified slot; False (nothing taken) when either cap is reached."""
+        with self._state:
+            if self._open >= self.max_connections or self._unverified >= self.max_unverified:
+                return False
+            self._open += 1
+            self._unverified += 1
+            return True
+
+    def _release(self, verified: bool) -> None:
+        with self._state:
+            self._open -= 1
+            if not verified:
+                self._unverified -= 1
+
+    def _verified(self) -> None:
+        with self._state:
+            self._unverified -= 1
+
     def _serve(self, conn: socket.socket) -> None:
-        receiver = "?"
+        receiver, verified = "?", False
         with conn:
             try:
-                conn.settimeout(30.0)
-                request = recv_frame(conn)
-                receiver = str(request.get("receiver", "?"))
-                conn.settimeout(float(request.get("timeout", 60.0)))
-                version = int(request.get("version", 0))
-                if self.key is not None and not tickets.ticket_ok(self.key, request.get("ticket"), receiver, version,
-                                                                  request.get("sync_id")):
-                    log.warning("pull_refused", rank_id=self.rank_id, receiver=receiver, version=version,
-                                reason="no valid ticket")
-                    send_frame(conn, {"error": f"sender {self.rank_id}: pull refused: no valid ticket from the "
-                                               f"coordinator for {receiver} at version {version}"})
+                conn.settimeout(self.handshake_timeout)
+                header = recv_frame(conn, MAX_HEADER)
+                if not isinstance(header, dict):
+                    raise TransportError("pull header: not a map")
+                receiver = str(header.get("receiver", "?"))
+                if not self._ticket_ok(conn, header, receiver):
                     return
-                try:
-                    views = self.resolve(request["items"])
-                    if request["transport"] not in self.transport_names:
-                        raise ValueError(f"transport: {request['transport']!r} is not offered by {self.rank_id} "
-                                         f"(offers {', '.join(self.transport_names)})")
-                    seq = self.begin_read(version)
-                except (ValueError, KeyError) as exc:
-                    send_frame(conn, {"error": f"sender {self.rank_id}: {exc}"})
-                    return
-                transports.get(request["transport"]).serve(conn, request, views, self)
-                end: dict[str, Any] = {"crc": [crc(v) for v in views]} if request.get("verify") else {}
-                torn = self.end_read(seq, version)
-                send_frame(conn, {"error": f"sender {self.rank_id}: {torn}"} if torn else {"done": True, **end})
-            except (OSError, TransportError) as exc:
+                self._verified()
+                verified = True
+                self._pull(conn, header)
+            except (OSError, TransportError, ValueError) as exc:   # ValueError: a frame that is not msgpack
                 log.warning("pull_failed", rank_id=self.rank_id, receiver=receiver, error=str(exc))
             except Exception:
                 log.exception("pull_crashed", rank_id=self.rank_id)
+            finally:
+                self._release(verified)
+
+    def _ticket_ok(self, conn: socket.socket, header: dict[str, Any], receiver: str) -> bool:
+        """Whether the header presents a valid ticket (always, without a key); sends the refusal when not."""
+        version = int(header.get("version", 0))
+        if self.key is None or tickets.ticket_ok(self.key, header.get("ticket"), receiver, version,
+                                                 header.get("sync_id")):
+            return True
+        log.warning("pull_refused", rank_id=self.rank_id, receiver=receiver, version=version,
+                    reason="no valid ticket")
+        send_frame(conn, {"error": f"sender {self.rank_id}: pull refused: no valid ticket from the "
+                                   f"coordinator for {receiver} at version {version}"})
+        return False
+
+    def _pull(self, conn: socket.socket, header: dict[str, Any]) -> None:
+        """After the ticket: take the items (the one large frame), check them and serve them."""
+        send_frame(conn, {"ready": True})
+        conn.settimeout(float(header.get("timeout", 60.0)))
+        body = recv_frame(conn)
+        request = {**header, "items": body.get("items") if isinstance(body, dict) else None}
+        version = int(request.get("version", 0))
+        try:
+            if not isinstance(request["items"], list):
+                raise ValueError("items: missing or not a list")
+            views = self.resolve(request["items"])
+            if request["transport"] not in self.transport_names:
+                raise ValueError(f"transport: {request['transport']!r} is not offered by {self.rank_id} "
+                                 f"(offers {', '.join(self.transport_names)})")
+            seq = self.begin_read(version)
+        except (ValueError, KeyError) as exc:
+            send_frame(conn, {"error": f"sender {self.rank_id}: {exc}"})
+            return
+        transports.get(request["transport"]).serve(conn, request, views, self)
+        end: dict[str, Any] = {"crc": [crc(v) for v in views]} if request.get("verify") else {}
+        torn = self.end_read(seq, version)
+        send_frame(conn, {"error": f"sender {self.rank_id}: {torn}"} if torn else {"done": True, **end})
 
     def resolve(self, items: list[list[Any]]) -> list[torch.Tensor]:
         """Views of the requested regions; ValueError naming the tensor when one does not exist here."""

@@ -15,6 +15,9 @@ from services.weight_exchange.client.regions import Region
 
 _LEN = struct.Struct("!I")
 MAX_FRAME = 256 << 20
+# The first frame of a pull (the header: receiver, version, ticket) comes before any credential is checked, so it is
+# kept small: a peer without a ticket can make the sender hold a few KiB, not MAX_FRAME (the items come after).
+MAX_HEADER = 4 << 10
 
 
 class TransportError(RuntimeError):
@@ -30,10 +33,11 @@ def send_frame(sock: socket.socket, obj: Any) -> None:
     sock.sendall(_LEN.pack(len(data)) + data)
 
 
-def recv_frame(sock: socket.socket) -> Any:
+def recv_frame(sock: socket.socket, limit: int = MAX_FRAME) -> Any:
+    """The next frame; TransportError, before allocating anything, when it announces more than `limit` bytes."""
     (n,) = _LEN.unpack(recv_exact(sock, _LEN.size))
-    if n > MAX_FRAME:
-        raise TransportError(f"frame of {n} bytes exceeds {MAX_FRAME}")
+    if n > limit:
+        raise TransportError(f"frame of {n} bytes exceeds {limit}")
     return msgpack.unpackb(recv_exact(sock, n), raw=False)
 
 

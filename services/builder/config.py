@@ -6,7 +6,7 @@ import dataclasses
 
 from services.builder.datasets import DatasetConfig
 from services.builder.tasks import SamplingConfig
-from services.common.config import ServiceConfig
+from services.common.config import ServiceConfig, check_lease_seconds
 
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -28,6 +28,7 @@ class BuilderConfig(ServiceConfig):
     eval_max_new_tokens: int = 8
     dynamic_sampling: bool = False  # DAPO: drop groups of equal rewards, issue prompts in their place
     max_abs_reward: float = 1e6   # a scored trajectory's reward (and step rewards) beyond +-this is dead-lettered
+    lease_seconds: float = 15.0   # one active builder: a second one waits as standby until the lease lapses this long
     dataset: DatasetConfig = dataclasses.field(default_factory=DatasetConfig)  # the run config's `dataset:`
 
     def __post_init__(self) -> None:
@@ -39,5 +40,6 @@ class BuilderConfig(ServiceConfig):
         if not 0.0 < self.max_abs_reward <= FLOAT32_MAX:
             raise ValueError(f"max_abs_reward: must be in (0, {FLOAT32_MAX:.8g}] (rewards travel as float32), "
                              f"got {self.max_abs_reward}")
+        check_lease_seconds(self.lease_seconds)
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness: must be >= 0, got {self.max_staleness}")

@@ -19,7 +19,7 @@ from services.builder.grouping import Group, GroupAssembler, assemble_batch, che
 from services.builder.ledger import NO_VARIANCE, Batched, Dropped, IssuedEval, Ledger, merge_batches
 from services.builder.tasks import make_work
 from services.common.auth import nats_credentials, server_security
-from services.common.batches import publish_batch, published_batches
+from services.common.batches import BatchConflict, publish_batch, published_batches
 from services.common.bus import (
     CONSUMERS,
     SUBJECT_PROMPTS,
@@ -34,6 +34,7 @@ from services.common.bus import (
 from services.common.contracts import builder_pb2, builder_pb2_grpc, common_pb2, data_pb2
 from services.common.deadletters import DeadLetterWatch
 from services.common.ids import now
+from services.common.lease import acquire
 from services.common.logging import get_logger
 from services.common.rpc import Servicer, start_server
 from services.common.service import supervise
@@ -102,6 +103,8 @@ class Builder:
         self.final_round: EvalRound | None = None
         self.run_end_seen = False
         self.finished = asyncio.Event()
+        self.failed = asyncio.Event()     # set with `failure`: a handler found an error that stops the service
+        self.failure: BaseException | None = None
 
     # issuing ------------------------------------------------------------------------------------------
     @property
@@ -270,6 +273,10 @@ class Builder:
                     break
                 result.batch.group_ids.extend(g.group_id for g in result.groups)
                 await publish_batch(self.bus, result.batch)
+            except BatchConflict as exc:  # another builder wrote this index: stop; a restart recovers past it
+                self.assembler.ready.extendleft(reversed(unsettled))
+                self.fail(exc)
+                raise
             except BaseException:
                 # back to the front, in order: the next flush (the failed message's redelivery) builds this index
                 # from the same groups, so a batch stored before its PubAck was lost is republished the same
@@ -490,6 +497,17 @@ class Builder:
                 with contextlib.suppress(Exception):
                     await msg.in_progress()
 
+    def fail(self, exc: BaseException) -> None:
+        """An error found inside a message handler that must take the service down (the consumer would only nak)."""
+        if self.failure is None:
+            self.failure = exc
+            self.failed.set()
+
+    async def fail_fast(self, stop: asyncio.Event) -> None:
+        await wait_either(self.failed, stop)
+        if self.failure is not None:
+            raise self.failure
+
     async def run(self, stop: asyncio.Event) -> None:
         await self.recover(stop)
         if stop.is_set():
@@ -499,6 +517,7 @@ class Builder:
                                         concurrency=64, manual_ack=True), name="scored"),
             asyncio.create_task(self.issue_loop(stop), name="issue"),
             asyncio.create_task(self.keep_alive(stop), name="keep-alive"),
+            asyncio.create_task(self.fail_fast(stop), name="fail-fast"),
             asyncio.create_task(self.dead_letters.run(stop), name="dead-letter-counts"),
             asyncio.create_task(follow(self.bus, "dlq.>", decoder(data_pb2.DeadLetter), self.handle_dead_letter, stop,
                                        stream="DLQ"), name="dead-letters"),
@@ -545,14 +564,20 @@ async def serve(config: BuilderConfig, stop: asyncio.Event) -> None:
     encode = config.dataset.encoder(tokenizer)
     bus = await Bus.connect(config.nats_url, name="builder", replicas=config.nats_replicas,
                             max_bytes=config.nats_max_bytes, **nats_credentials(config))
+    # a second builder waits here, as a standby, until the active one's lease is released or lapses
+    lease = await acquire(bus, "builder", ttl=config.lease_seconds, stop=stop)
+    if lease is None:
+        await bus.close()
+        return
     builder = Builder(config, bus, encode, [tokenizer.eos_token_id])
     rpc = await start_server(config.grpc_address, [Servicer(
         builder_pb2_grpc.add_BuilderServiceServicer_to_server, BuilderServicer(builder),
         builder_pb2.DESCRIPTOR.services_by_name["BuilderService"].full_name)], security=server_security(config))
     get_logger().info("serving", grpc_port=rpc.port, batch_size=config.batch_size, eta=config.max_staleness)
-    tasks = builder.start(stop)
+    tasks = [*builder.start(stop), asyncio.create_task(lease.keep(stop), name="lease")]
     supervise(tasks, stop)
     await stop.wait()
     await asyncio.gather(*tasks, return_exceptions=True)
     await rpc.stop()
+    await lease.release()  # only if still ours (revision check): the standby takes over at once
     await bus.close()

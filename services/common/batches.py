@@ -4,12 +4,18 @@ The stream keeps them (limits retention), so the trainer reads batch i by index 
 re-reads what its last checkpoint does not cover) and a restarted builder learns which groups it has
 batched. A batch over the server's `max_payload` lives whole in the `BATCH_BLOBS` object store; the
 stream then carries a pointer (same index and group ids, no trajectories, `object_name` set).
+
+An index is written once: every publish expects the subject to be empty (`Nats-Expected-Last-Subject-Sequence:
+0`), whatever the dedupe window, so a second builder (or a late retry) can never put a different batch under an
+index the trainer may already have trained; the same batch again is a duplicate, another one `BatchConflict`.
+Blob names carry a digest of the group ids, so a conflicting batch never overwrites the blob a pointer names.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 
 import nats.js.errors
 
@@ -19,6 +25,12 @@ from services.common.contracts import data_pb2
 STREAM = "BATCHES"
 BLOBS = "BATCH_BLOBS"
 INDEX_HEADER = "Meshrl-Batch-Index"
+EXPECT_EMPTY = {"Nats-Expected-Last-Subject-Sequence": "0"}
+WRONG_LAST_SEQUENCE = 10071  # JetStream's err_code when the subject already holds a message
+
+
+class BatchConflict(RuntimeError):
+    """Another batch is already published under this index: two builders, or a diverged one. Fatal."""
 
 
 def batch_subject(index: int) -> str:
@@ -34,19 +46,40 @@ class PublishedBatch:
 
 
 async def publish_batch(bus: Bus, batch: data_pb2.TrainingBatch) -> bool:
-    """Publish batch `batch.index` (idempotent: the dedupe id is the index). False: a duplicate."""
+    """Publish batch `batch.index` once. False: this same batch (its group ids) was already there;
+    BatchConflict: a different one is."""
+    try:
+        return await _publish_once(bus, batch)
+    except nats.js.errors.BadRequestError as exc:
+        if exc.err_code != WRONG_LAST_SEQUENCE:
+            raise
+    existing = await read_batch(bus, batch.index)
+    if existing is not None and list(existing.group_ids) == list(batch.group_ids):
+        return False
+    theirs = list(existing.group_ids)[:4] if existing is not None else "unreadable"
+    raise BatchConflict(f"batches.train.{batch.index}: already holds another batch (groups {theirs}..., ours "
+                        f"{list(batch.group_ids)[:4]}...): is a second builder running?")
+
+
+async def _publish_once(bus: Bus, batch: data_pb2.TrainingBatch) -> bool:
     msg_id = f"batch-{batch.index}"
-    headers = {INDEX_HEADER: str(batch.index)}
+    headers = {INDEX_HEADER: str(batch.index), **EXPECT_EMPTY}
     try:
         return await bus.publish(batch_subject(batch.index), batch, msg_id, headers=headers)
     except PayloadTooLarge:
         pass
     store = await _blobs(bus)
-    name = f"batch-{batch.index}"
+    name = blob_name(batch)
     await retry(lambda: store.put(name, batch.SerializeToString()), what=f"store {name}")
     pointer = data_pb2.TrainingBatch(batch_id=batch.batch_id, index=batch.index, created_at=batch.created_at,
                                      dropped_stale=batch.dropped_stale, group_ids=batch.group_ids, object_name=name)
     return await bus.publish(batch_subject(batch.index), pointer, msg_id, headers=headers)
+
+
+def blob_name(batch: data_pb2.TrainingBatch) -> str:
+    """`batch-<index>-<digest of its group ids>`: the same batch, the same name; another batch, another."""
+    digest = hashlib.sha256("\n".join(batch.group_ids).encode()).hexdigest()[:16]
+    return f"batch-{batch.index}-{digest}"
 
 
 async def read_batch(bus: Bus, index: int) -> data_pb2.TrainingBatch | None:

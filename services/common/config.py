@@ -22,6 +22,15 @@ T = TypeVar("T")
 DEFAULT_MAX_BYTES = 4 << 30  # the data plane's byte budget on the JetStream server, over every capped stream
 
 
+MIN_LEASE_SECONDS = 3.0  # a single-active service's lease (services.common.lease): renewed every third of it
+
+
+def check_lease_seconds(seconds: float) -> float:
+    if not seconds >= MIN_LEASE_SECONDS:
+        raise ValueError(f"lease_seconds: must be >= {MIN_LEASE_SECONDS}, got {seconds!r}")
+    return float(seconds)
+
+
 class ConfigError(ValueError):
     """A configuration key is unknown or has the wrong type."""
 

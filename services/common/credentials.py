@@ -25,6 +25,8 @@ GATEWAY_ADMIN_KEY = "gateway_admin_key"  # services.rollout.gateway.config.ADMIN
 KV_STREAM = "KV_meshrl_builder"      # services.builder.ledger.BUCKET
 OBJ_STREAM = "OBJ_BATCH_BLOBS"       # services.common.batches.BLOBS
 JS = "$JS.API"
+LEASE_PREFIX = "meshrl_lease_"       # services.common.lease.bucket_name
+LEASED = ("builder", "weight_exchange")  # the single-active services: each takes its own lease
 
 SHARED_BY_DESIGN = (
     "events.version is one subject for trained, checkpoint, eval, run-end, budget and deployed events: trainer, "
@@ -151,6 +153,12 @@ def _ordered_reader(stream: str) -> list[str]:
             f"{JS}.DIRECT.GET.{stream}.>", f"{JS}.STREAM.INFO.{stream}"]
 
 
+def _lease(service: str) -> list[str]:
+    """The service's own lease bucket (services.common.lease): create it, read, create / renew / delete the key."""
+    stream = f"KV_{LEASE_PREFIX}{service}"
+    return [f"$KV.{LEASE_PREFIX}{service}.>", f"{JS}.STREAM.CREATE.{stream}", *_ordered_reader(stream)]
+
+
 def nats_permissions(identity: str) -> dict:
     """The nats-server permissions of `identity`: publish (data subjects and JetStream API) and subscribe."""
     if identity == OPERATOR:
@@ -179,6 +187,8 @@ def nats_permissions(identity: str) -> dict:
         pub += ["traj.scored", dlq, *_consume("reward")]
     elif identity == "weight_exchange":
         pub += ["events.version"]
+    if identity in LEASED:
+        pub += _lease(identity)
     return {"publish": {"allow": pub}, "subscribe": {"allow": sub}}
 
 

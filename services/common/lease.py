@@ -12,12 +12,15 @@ two weight exchanges would split the ranks' registrations. So an instance runs o
   takes over `ttl` seconds after the holder's last renewal;
 - the holder stops itself (`LeaseLost`) once it has not renewed for `ttl - margin` seconds, before the key can
   expire, so two instances never both believe they hold it; a clean stop deletes the lease for an immediate
-  take-over.
+  take-over;
+- a lease left by a process of this same host that no longer runs (a SIGKILLed builder its supervisor restarts,
+  or a restarted container whose pid it now has) is taken over at once instead of after the TTL.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -29,10 +32,11 @@ import nats.js.errors
 from nats.js.api import KeyValueConfig
 
 from services.common.bus import TRANSIENT, Bus, retry
+from services.common.config import check_lease_seconds
 from services.common.logging import get_logger
 
 KEY = "holder"
-MIN_TTL = 3.0
+_HELD_HERE: set[str] = set()  # services whose lease this process holds
 
 
 class LeaseLost(RuntimeError):
@@ -48,10 +52,7 @@ def holder_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def check_ttl(ttl: float) -> float:
-    if not ttl >= MIN_TTL:
-        raise ValueError(f"lease_seconds: must be >= {MIN_TTL}, got {ttl!r}")
-    return float(ttl)
+check_ttl = check_lease_seconds
 
 
 @dataclasses.dataclass
@@ -83,6 +84,7 @@ class Lease:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
+                _HELD_HERE.discard(self.service)
                 raise LeaseLost(f"{self.service}: could not renew the lease within {self.ttl:.0f}s; stopping "
                                 "before a standby may take it over")
             try:
@@ -90,6 +92,7 @@ class Lease:
                 self.renewed = time.monotonic()
                 return
             except nats.js.errors.KeyWrongLastSequenceError as exc:
+                _HELD_HERE.discard(self.service)
                 raise LeaseLost(f"{self.service}: another instance holds the lease now (revision moved past "
                                 f"{self.revision})") from exc
             except TRANSIENT as exc:  # NATS away for a moment (TimeoutError included): until the deadline
@@ -98,6 +101,7 @@ class Lease:
 
     async def release(self) -> None:
         """Delete the lease (only if it is still ours), so a standby takes over at once; best effort."""
+        _HELD_HERE.discard(self.service)
         try:
             await asyncio.wait_for(self.kv.delete(KEY, last=self.revision), 5)
         except (nats.js.errors.KeyWrongLastSequenceError, TimeoutError, *TRANSIENT) as exc:
@@ -124,7 +128,12 @@ async def acquire(bus: Bus, service: str, *, ttl: float, stop: asyncio.Event, ho
         try:
             revision = await retry(lambda: kv.create(KEY, value), what=f"{service} lease")
         except nats.js.errors.KeyWrongLastSequenceError:
-            current = await _current_holder(kv)
+            current, revision = await _current_holder(kv)
+            if revision and abandoned_here(current, service):
+                log.info("lease_abandoned", previous=current, reason="its process on this host no longer runs")
+                with contextlib.suppress(nats.js.errors.KeyWrongLastSequenceError, *TRANSIENT):
+                    await kv.delete(KEY, last=revision)
+                continue
             if current != announced:
                 log.info("lease_standby", active=current,
                          reason=f"another {service} is active; taking over when its lease lapses ({ttl:.0f}s)")
@@ -135,19 +144,38 @@ async def acquire(bus: Bus, service: str, *, ttl: float, stop: asyncio.Event, ho
                 pass
             continue
         log.info("lease_acquired", revision=revision, ttl=ttl)
+        _HELD_HERE.add(service)
         return Lease(kv=kv, service=service, holder=holder, ttl=ttl, revision=revision, renewed=time.monotonic())
     return None
 
 
-async def _current_holder(kv) -> str:
+async def _current_holder(kv) -> tuple[str, int]:
+    """The holder's id and the lease's revision ("", 0 when there is none or it cannot be read now)."""
     try:
         entry = await kv.get(KEY)
     except (nats.js.errors.KeyNotFoundError, nats.js.errors.NotFoundError, *TRANSIENT):
-        return ""
+        return "", 0
     try:
-        return str(json.loads(entry.value)["holder"])
+        return str(json.loads(entry.value)["holder"]), int(entry.revision or 0)
     except (ValueError, KeyError, TypeError):
-        return "?"
+        return "?", 0
+
+
+def abandoned_here(holder: str, service: str) -> bool:
+    """`holder` ("host:pid") names this host and a pid that is this process while it does not hold the lease (a
+    restarted container: a previous life of it did) or that runs no process."""
+    host, _, pid = holder.rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    if int(pid) == os.getpid():
+        return service not in _HELD_HERE
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # some other user's process runs under that pid
+        return False
+    return False
 
 
 async def _bucket(bus: Bus, service: str, ttl: float):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from services.common.config import ServiceConfig
+from services.common.config import ServiceConfig, check_lease_seconds
 from services.weight_exchange.client.transports import KNOWN
 
 
@@ -21,8 +21,11 @@ class WeightExchangeConfig(ServiceConfig):
     rank_ttl: float = 30.0              # a rank with no registration (heartbeat) for this long is dropped; <= 0: never
     sender_identities: list[str] = dataclasses.field(default_factory=lambda: ["trainer"])   # may register senders
     receiver_identities: list[str] = dataclasses.field(default_factory=lambda: ["rollout"])  # may register receivers
+    lease_seconds: float = 15.0         # one active instance: a second one waits as standby until the lease lapses
+
 
     def __post_init__(self) -> None:
+        check_lease_seconds(self.lease_seconds)
         if self.default_transport not in KNOWN:
             raise ValueError(f"default_transport: unknown {self.default_transport!r} (known: {', '.join(KNOWN)})")
         if self.bucket_bytes <= 0:

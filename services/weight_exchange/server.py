@@ -12,8 +12,10 @@ from services.common.contracts import data_pb2
 from services.common.contracts import weight_exchange_pb2 as wx_pb2
 from services.common.contracts import weight_exchange_pb2_grpc as wx_grpc
 from services.common.ids import now
+from services.common.lease import acquire
 from services.common.logging import get_logger
 from services.common.rpc import Servicer, bound_address, channel, invalid_argument, start_server
+from services.common.service import supervise
 from services.weight_exchange.client.layout import RECEIVER, SENDER, RankLayout
 from services.weight_exchange.config import WeightExchangeConfig
 from services.weight_exchange.coordinator import ApplyError, Coordinator, RegisterDenied, SyncError
@@ -109,6 +111,14 @@ async def serve(config: WeightExchangeConfig, stop: asyncio.Event) -> None:
     bus = await Bus.connect(config.nats_url, name="weight_exchange", replicas=config.nats_replicas,
                             max_bytes=config.nats_max_bytes, **nats_credentials(config)) \
         if config.publish_events and config.nats_url else None
+    # one active instance (the registrations live in its memory): a second one waits here as a standby until the
+    # active one's lease is released or lapses. Without NATS there is no lease: run one instance only.
+    lease = await acquire(bus, "weight_exchange", ttl=config.lease_seconds, stop=stop) if bus is not None else None
+    if bus is not None and lease is None:
+        await bus.close()
+        return
+    keeper = [asyncio.create_task(lease.keep(stop), name="lease")] if lease is not None else []
+    supervise(keeper, stop)
 
     async def deployed(version: int) -> None:
         if bus is None:
@@ -133,5 +143,8 @@ async def serve(config: WeightExchangeConfig, stop: asyncio.Event) -> None:
         await server.stop()
         await coordinator.close()
         await agents.close()
+        await asyncio.gather(*keeper, return_exceptions=True)
+        if lease is not None:
+            await lease.release()
         if bus is not None:
             await bus.close()

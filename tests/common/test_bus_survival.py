@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-from services.common.batches import publish_batch, published_batches, read_batch
+import pytest
+
+from services.common.batches import BatchConflict, blob_name, publish_batch, published_batches, read_batch
 from services.common.bus import CONSUMERS, SUBJECT_TRAJ_RAW, Bus, consume, decoder
 from services.common.contracts import data_pb2
 from tests.common.test_bus import collect, dead_letters, traj
@@ -87,5 +89,32 @@ async def test_a_batch_over_max_payload_is_stored_out_of_band_and_read_back_whol
         assert await read_batch(bus, 1) is None
         (summary,) = await published_batches(bus)
         assert summary.index == 0 and summary.group_ids == ("g0", "g1", "g2", "g3")
+    finally:
+        await bus.close()
+
+
+async def test_an_index_holds_one_batch_whatever_the_dedupe_window(nats_server):
+    """Two builders (or a late retry past the 120-s dedupe window, the same check) cannot put a second, different
+    batch under an index: the subject must be empty. The same batch again is a duplicate. Out-of-band blobs of two
+    different batches never share a name."""
+    bus = await Bus.connect(nats_server.url, name="test")
+    try:
+        ours = data_pb2.TrainingBatch(batch_id="batch-3", index=3, group_ids=["g0", "g1"])
+        theirs = data_pb2.TrainingBatch(batch_id="batch-3", index=3, group_ids=["g2", "g5"])
+        assert await publish_batch(bus, ours) is True
+        assert await publish_batch(bus, ours) is False
+        with pytest.raises(BatchConflict, match="second builder"):
+            await publish_batch(bus, theirs)
+        assert (await read_batch(bus, 3)).group_ids == ["g0", "g1"]
+        assert blob_name(ours) != blob_name(theirs) and blob_name(ours) == blob_name(ours)
+        # out of band: the pointer's blob is the first batch's, whatever the second one tried
+        big = [data_pb2.Trajectory(trajectory_id=f"t{i}", group_id="g9", completion_ids=[70_000] * 50_000)
+               for i in range(8)]
+        first = data_pb2.TrainingBatch(batch_id="batch-4", index=4, trajectories=big, group_ids=["g9"])
+        second = data_pb2.TrainingBatch(batch_id="batch-4", index=4, trajectories=big[:7], group_ids=["g8"])
+        assert await publish_batch(bus, first) is True
+        with pytest.raises(BatchConflict):
+            await publish_batch(bus, second)
+        assert await read_batch(bus, 4) == first
     finally:
         await bus.close()

@@ -5,12 +5,14 @@ no longer renew."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import subprocess
 import time
 
 import pytest
 
 from services.common.bus import Bus
-from services.common.lease import LeaseLost, acquire, check_ttl
+from services.common.lease import LeaseLost, acquire, check_ttl, holder_id
 
 TTL = 3.0
 
@@ -96,6 +98,29 @@ async def test_a_standby_gives_up_waiting_when_stopped_and_short_ttls_are_refuse
         await asyncio.sleep(0.5)
         standby_stop.set()
         assert await asyncio.wait_for(standby, 5) is None
+    finally:
+        stop.set()
+        await a.close()
+        await b.close()
+
+
+async def test_a_lease_left_by_a_dead_process_of_this_host_is_taken_over_at_once(nats_server):
+    """A SIGKILLed builder restarted by its supervisor does not wait out its own previous life's TTL."""
+    dead = subprocess.Popen(["true"])
+    dead.wait(10)
+    a, b = await connect(nats_server, "a"), await connect(nats_server, "b")
+    stop = asyncio.Event()
+    try:
+        await asyncio.wait_for(acquire(a, "builder", ttl=30.0, stop=stop, holder=f"{socket.gethostname()}:{dead.pid}"),
+                               10)
+        t0 = time.monotonic()
+        taken = await asyncio.wait_for(acquire(b, "builder", ttl=30.0, stop=stop, poll=0.1), 10)
+        assert time.monotonic() - t0 < 5 and taken.holder == holder_id()
+        # a live holder of this host is waited for
+        alive = asyncio.create_task(acquire(a, "builder", ttl=30.0, stop=stop, poll=0.1))
+        await asyncio.sleep(1.0)
+        assert not alive.done()
+        alive.cancel()
     finally:
         stop.set()
         await a.close()

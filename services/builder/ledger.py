@@ -19,7 +19,7 @@ import re
 import nats.js.errors
 from nats.js.api import KeyValueConfig
 
-from services.common.bus import Bus, retry
+from services.common.bus import LEDGER_SHARE, Bus, retry
 
 BUCKET = "meshrl_builder"
 _KEY_UNSAFE = re.compile(r"[^-/_=a-zA-Z0-9]")  # the value keeps the exact group id
@@ -77,8 +77,12 @@ class Ledger:
             try:
                 return await self.bus.js.key_value(BUCKET)
             except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
-                return await self.bus.js.create_key_value(KeyValueConfig(bucket=BUCKET, history=1,
-                                                                         replicas=self.bus.replicas))
+                config = KeyValueConfig(bucket=BUCKET, history=1, replicas=self.bus.replicas,
+                                        max_bytes=self.bus.share_bytes(LEDGER_SHARE))
+                try:
+                    return await self.bus.js.create_key_value(config)
+                except nats.js.errors.APIError as exc:
+                    raise self.bus.storage_refused(exc, f"key-value bucket {BUCKET}", config.max_bytes) from exc
 
         self.kv = await retry(open_kv, what=f"key-value bucket {BUCKET}")
 

@@ -19,7 +19,7 @@ from services.builder.grouping import Group, GroupAssembler, assemble_batch, che
 from services.builder.ledger import NO_VARIANCE, Batched, Dropped, IssuedEval, Ledger, merge_batches
 from services.builder.tasks import make_work
 from services.common.auth import nats_credentials, server_security
-from services.common.batches import BatchConflict, publish_batch, published_batches
+from services.common.batches import BatchConflict, prune_blobs, publish_batch, published_batches
 from services.common.bus import (
     CONSUMERS,
     SUBJECT_PROMPTS,
@@ -40,6 +40,10 @@ from services.common.rpc import Servicer, start_server
 from services.common.service import supervise
 from services.common.steps import check_step_rewards
 
+# the trainer keeps its 2 newest checkpoints (trainer.keep_checkpoints) and resumes from the newest complete one:
+# batches under the older one's version are never read again, and their blobs go (keeping more checkpoints than
+# this and losing the two newest would find those batches' blobs gone: the trainer skips them, dead-lettered)
+CHECKPOINTS_KEPT = 2
 ISSUED = prometheus_client.Counter("meshrl_builder_groups_issued_total", "Prompt groups issued")
 BATCHES = prometheus_client.Counter("meshrl_builder_batches_total", "Training batches published")
 DROPPED = prometheus_client.Counter("meshrl_builder_dropped_stale_total", "Trajectories dropped as stale")
@@ -103,6 +107,8 @@ class Builder:
         self.final_round: EvalRound | None = None
         self.run_end_seen = False
         self.finished = asyncio.Event()
+        self.checkpoints: list[int] = []  # versions of the newest CHECKPOINTS_KEPT checkpoint events
+        self.blobs_pruned_below = 0
         self.failed = asyncio.Event()     # set with `failure`: a handler found an error that stops the service
         self.failure: BaseException | None = None
 
@@ -428,7 +434,22 @@ class Builder:
         elif event.kind == data_pb2.VERSION_KIND_RUN_END:
             self.run_end_seen = True
             self.finished.set()
+        elif event.kind == data_pb2.VERSION_KIND_CHECKPOINT:
+            self.checkpoints = sorted({*self.checkpoints, event.version})[-CHECKPOINTS_KEPT:]
+            if live:
+                await self.prune_blobs()
         self.changed.set()
+
+    async def prune_blobs(self) -> None:
+        """Delete the blobs of batches no trainer reads again: a restarted trainer resumes from one of its
+        CHECKPOINTS_KEPT newest checkpoints, at version v, and reads batches from index v on."""
+        if len(self.checkpoints) < CHECKPOINTS_KEPT or self.checkpoints[0] <= self.blobs_pruned_below:
+            return
+        below = self.checkpoints[0]
+        gone = await prune_blobs(self.bus, below)
+        self.blobs_pruned_below = below
+        if gone:
+            get_logger().info("blobs_pruned", below=below, deleted=gone)
 
     async def _end_online_run(self) -> None:
         total = self.config.total_steps
@@ -512,6 +533,7 @@ class Builder:
         await self.recover(stop)
         if stop.is_set():
             return
+        await self.prune_blobs()  # what the replayed checkpoints allow
         tasks = [
             asyncio.create_task(consume(self.bus, "builder", decoder(data_pb2.Trajectory), self.handle_scored, stop,
                                         concurrency=64, manual_ack=True), name="scored"),

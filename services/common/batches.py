@@ -18,8 +18,9 @@ import dataclasses
 import hashlib
 
 import nats.js.errors
+from nats.js.api import ObjectStoreConfig
 
-from services.common.bus import SUBJECT_BATCHES, Bus, InvalidMessage, PayloadTooLarge, retry
+from services.common.bus import BLOBS_SHARE, SUBJECT_BATCHES, Bus, InvalidMessage, PayloadTooLarge, retry
 from services.common.contracts import data_pb2
 
 STREAM = "BATCHES"
@@ -99,7 +100,12 @@ async def read_batch(bus: Bus, index: int) -> data_pb2.TrainingBatch | None:
     batch = _decode(raw.data, f"batch {index}")
     if batch.object_name:
         store = await _blobs(bus)
-        result = await retry(lambda: store.get(batch.object_name), what=f"read {batch.object_name}")
+        try:
+            result = await retry(lambda: store.get(batch.object_name), what=f"read {batch.object_name}")
+        except (nats.js.errors.ObjectNotFoundError, nats.js.errors.ObjectDeletedError,
+                nats.js.errors.NotFoundError) as exc:
+            raise InvalidMessage(f"{batch.object_name}: the blob of batch {index} is gone (pruned once two "
+                                 "checkpoints covered it, or past its 7 days)") from exc
         batch = _decode(result.data, batch.object_name)
     if batch.index != index:
         raise InvalidMessage(f"index: batch under {batch_subject(index)} says {batch.index}")
@@ -160,6 +166,29 @@ async def published_batches(bus: Bus) -> list[PublishedBatch]:
     return [out[i] for i in sorted(out)]
 
 
+async def prune_blobs(bus: Bus, below: int) -> int:
+    """Delete the out-of-band blobs of batches with an index under `below` (no trainer reads them again);
+    returns how many went."""
+    store = await _blobs(bus)
+    try:
+        names = [o.name for o in await retry(lambda: store.list(ignore_deletes=True), what=f"list {BLOBS}")]
+    except nats.js.errors.NotFoundError:  # an empty store
+        return 0
+    gone = 0
+    for name in names:
+        index = blob_index(name)
+        if index is not None and index < below:
+            await retry(lambda name=name: store.delete(name), what=f"delete {name}")
+            gone += 1
+    return gone
+
+
+def blob_index(name: str) -> int | None:
+    """The batch index of a blob named by `blob_name` (None for any other name)."""
+    parts = name.split("-")
+    return int(parts[1]) if len(parts) == 3 and parts[0] == "batch" and parts[1].isdigit() else None
+
+
 def _decode(data: bytes, what: str) -> data_pb2.TrainingBatch:
     try:
         return data_pb2.TrainingBatch.FromString(data)
@@ -172,7 +201,12 @@ async def _blobs(bus: Bus):
         try:
             return await bus.js.object_store(BLOBS)
         except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
-            return await bus.js.create_object_store(BLOBS, replicas=bus.replicas, ttl=7 * 86400.0)
+            config = ObjectStoreConfig(bucket=BLOBS, replicas=bus.replicas, ttl=7 * 86400.0,
+                                       max_bytes=bus.share_bytes(BLOBS_SHARE))
+            try:
+                return await bus.js.create_object_store(BLOBS, config=config)
+            except nats.js.errors.APIError as exc:
+                raise bus.storage_refused(exc, f"object store {BLOBS}", config.max_bytes) from exc
 
     return await retry(open_store, what="object store BATCH_BLOBS")
 

@@ -88,10 +88,14 @@ class ConsumerSpec:
 STREAMS = (
     StreamSpec("PROMPTS", ("prompts.>",), RetentionPolicy.WORK_QUEUE),
     StreamSpec("TRAJ", ("traj.>",), max_age=7 * DAY, share=0.3),
-    StreamSpec("BATCHES", ("batches.>",), max_age=7 * DAY, share=0.6),
-    StreamSpec("EVENTS", ("events.>",), max_age=30 * DAY, share=0.05),
-    StreamSpec("DLQ", ("dlq.>",), max_age=30 * DAY, share=0.05),
+    StreamSpec("BATCHES", ("batches.>",), max_age=7 * DAY, share=0.45),
+    StreamSpec("EVENTS", ("events.>",), max_age=30 * DAY, share=0.04),
+    StreamSpec("DLQ", ("dlq.>",), max_age=30 * DAY, share=0.04),
 )
+# the builder's two buckets take the rest of the budget: the batch blobs (object store, batches over max_payload;
+# pruned once two checkpoints cover them) and its ledger (key-value). The single-active leases hold 1 MiB each.
+BLOBS_SHARE = 0.15
+LEDGER_SHARE = 0.02
 MIN_MAX_BYTES = 64 << 20
 
 CONSUMERS = {
@@ -222,12 +226,7 @@ class Bus:
             try:
                 await self._declare_stream(config)
             except nats.js.errors.APIError as exc:
-                if exc.err_code != NO_STORAGE:
-                    raise
-                raise ValueError(
-                    f"nats_max_bytes: the JetStream server cannot reserve {config.max_bytes} bytes for stream "
-                    f"{spec.name} ({exc.description}); lower nats_max_bytes (now {self.max_bytes}, split between "
-                    "the capped streams) or raise the server's jetstream max_file_store") from exc
+                raise self.storage_refused(exc, f"stream {spec.name}", config.max_bytes) from exc
         for durable in CONSUMERS if consumers is None else consumers:
             spec = CONSUMERS[durable]
             await self.js.add_consumer(spec.stream, self._consumer_config(spec))
@@ -245,7 +244,21 @@ class Bus:
             await self.js.update_stream(config)
 
     def stream_max_bytes(self, spec: StreamSpec) -> int:
-        return int(spec.share * self.max_bytes) if spec.share and self.max_bytes > 0 else -1
+        return self.share_bytes(spec.share)
+
+    def storage_refused(self, exc: Exception, what: str, asked: int) -> Exception:
+        """The error to raise for a refused declaration: a ValueError naming nats_max_bytes when the server had no
+        room to reserve `asked` bytes for `what`, else `exc` itself."""
+        if getattr(exc, "err_code", None) != NO_STORAGE:
+            return exc
+        return ValueError(
+            f"nats_max_bytes: the JetStream server cannot reserve {asked} bytes for {what} ({exc.description}); "
+            f"lower nats_max_bytes (now {self.max_bytes}, split between the capped streams and buckets) or raise "
+            "the server's jetstream max_file_store")
+
+    def share_bytes(self, share: float) -> int:
+        """`share` of the budget in bytes (-1: no cap, when the budget is -1 or the share 0)."""
+        return int(share * self.max_bytes) if share and self.max_bytes > 0 else -1
 
     def _consumer_config(self, spec: ConsumerSpec) -> ConsumerConfig:
         # max_deliver is counted by `consume` (dead letter with the reason), never by the server, which

@@ -41,8 +41,8 @@ class ServiceConfig:
 
     nats_url: str = "nats://127.0.0.1:4222"  # several servers (a cluster): comma-separated
     nats_replicas: int = 1                    # stream replication; 3 on a three-node JetStream cluster
-    nats_max_bytes: int = (DEFAULT_MAX_BYTES  # bytes TRAJ (30%), BATCHES (60%), EVENTS and DLQ (5% each) may keep
-                           )  # on the server, reserved there (must fit its max_file_store); same on all; -1: no caps
+    nats_max_bytes: int = (DEFAULT_MAX_BYTES  # bytes TRAJ 30%, BATCHES 45%, batch blobs 15%, EVENTS, DLQ 4% each,
+                           )  # builder ledger 2% may keep on the server, reserved there (must fit its max_file_store); -1: no caps
     grpc_address: str = "127.0.0.1:0"
     metrics_port: int = 0  # 0: pick a free port; -1: no metrics endpoint
     metrics_address: str = "127.0.0.1"  # the IP /metrics listens on; 0.0.0.0 in containers, for Prometheus to scrape

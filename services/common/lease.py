@@ -36,6 +36,7 @@ from services.common.config import check_lease_seconds
 from services.common.logging import get_logger
 
 KEY = "holder"
+BUCKET_BYTES = 1 << 20  # a lease bucket's byte cap (one small key), outside nats_max_bytes
 _HELD_HERE: set[str] = set()  # services whose lease this process holds
 
 
@@ -186,6 +187,6 @@ async def _bucket(bus: Bus, service: str, ttl: float):
             return await bus.js.key_value(name)
         except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
             return await bus.js.create_key_value(KeyValueConfig(bucket=name, history=1, ttl=ttl,
-                                                                replicas=bus.replicas, max_bytes=1 << 20))
+                                                                replicas=bus.replicas, max_bytes=BUCKET_BYTES))
 
     return await retry(open_kv, what=f"key-value bucket {name}")

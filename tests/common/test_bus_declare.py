@@ -53,7 +53,7 @@ async def test_a_budget_that_fits_is_split_between_the_capped_streams(small_stor
     try:
         got = await caps(bus)
         assert got["PROMPTS"] == -1  # a work queue: acked prompts leave it
-        assert got["TRAJ"] == int(0.3 * budget) and got["BATCHES"] == int(0.6 * budget)
+        assert got["TRAJ"] == int(0.3 * budget) and got["BATCHES"] == int(0.45 * budget)
         assert sum(v for v in got.values() if v > 0) <= budget
         assert set(got) == {s.name for s in STREAMS}
     finally:

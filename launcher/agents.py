@@ -8,6 +8,9 @@ import pathlib
 import subprocess
 import sys
 import threading
+import time
+
+from launcher.processes import popen
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -36,20 +39,23 @@ class AgentDriver:
                 if self._stop.is_set():
                     return
                 seed = run * len(self.scripts) + index  # every process plays different tasks
-                self._procs[index] = subprocess.Popen(
+                self._procs[index] = popen(
                     [sys.executable, str(script), "--base-url", self.gateway_url, "--seed", str(seed), *self.args],
                     cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
                 self._procs[index].wait()
                 self.episodes_run += 1
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM the running episodes, SIGKILL what is left after `timeout` s (one deadline for all)."""
         self._stop.set()
-        for proc in list(self._procs.values()):
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+        deadline = time.monotonic() + timeout
+        procs = [p for p in list(self._procs.values()) if p.poll() is None]
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
         for thread in self._threads:
-            thread.join(timeout=15)
+            thread.join(timeout=max(0.1, deadline + 5 - time.monotonic()))

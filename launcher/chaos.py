@@ -14,6 +14,7 @@ import threading
 import time
 
 from launcher.audit import audit_run
+from launcher.shutdown import SHUTDOWN
 from launcher.stack import SERVICES, Stack, health_check, run
 
 TARGETS = (*SERVICES, "nats")
@@ -70,7 +71,7 @@ class Killer(threading.Thread):
             for kill in self.plan:
                 while self.events.version < kill.at_version and not self.halt.is_set():
                     time.sleep(0.1)
-                if self.halt.wait(kill.delay):
+                if self.halt.wait(kill.delay) or SHUTDOWN.interrupted:  # the run is stopping: no more kills
                     return
                 before = self.stack.restarts.get(kill.service, 0)
                 version = self.events.version

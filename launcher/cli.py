@@ -12,14 +12,17 @@ import subprocess
 import sys
 
 from launcher import reporter
+from launcher.shutdown import SHUTDOWN, Interrupted
 from launcher.stack import (
     DEFAULT_PORTS,
     MODELS,
     NATS_MODES,
     ROOT,
     STATE_FILE,
+    UP_CONFIG,
     down,
     ensure_model,
+    random_ports,
     run,
     status,
     supervise,
@@ -41,8 +44,10 @@ def converter_names(folder: pathlib.Path = SCRIPTS_DIR) -> list[str]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    summary = run(args.config, name=args.name or f"seed{args.seed}", seed=args.seed, algo=args.algo,
-                  ports=DEFAULT_PORTS, nats_mode=args.nats)
+    with SHUTDOWN.handling():
+        summary = run(args.config, name=args.name or f"seed{args.seed}", seed=args.seed, algo=args.algo,
+                      ports=random_ports() if args.random_ports else DEFAULT_PORTS, nats_mode=args.nats,
+                      runs_root=args.runs_root)
     return 0 if summary.get("completed") else 1
 
 
@@ -50,8 +55,9 @@ def _chaos(args: argparse.Namespace) -> int:
     from launcher.chaos import TARGETS, chaos
 
     services = tuple(s.strip() for s in args.services.split(",") if s.strip()) or TARGETS
-    report = chaos(args.config, seed=args.seed, kills=args.kills, services=services, name=args.name,
-                   nats_mode=args.nats, nats_outage=args.nats_outage, model_seed=args.model_seed)
+    with SHUTDOWN.handling():
+        report = chaos(args.config, seed=args.seed, kills=args.kills, services=services, name=args.name,
+                       nats_mode=args.nats, nats_outage=args.nats_outage, model_seed=args.model_seed)
     print(json.dumps({k: v for k, v in report.items() if k != "schedule"}, indent=2))
     return 0 if report["passed"] else 1
 
@@ -81,8 +87,9 @@ def _model(args: argparse.Namespace) -> int:
     return subprocess.call([sys.executable, str(script), *args.args], cwd=ROOT)
 
 
-def _stack_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default="configs/run.yaml", help="run config, relative to the repository or absolute")
+def _stack_arguments(p: argparse.ArgumentParser, *, config: str | None = "configs/run.yaml") -> None:
+    p.add_argument("--config", default=config, help="run config, relative to the repository or absolute "
+                   f"(default: {config or UP_CONFIG + ' made unbounded, with the agent gateway'})")
     p.add_argument("--name", default="", help="the run's folder under runs/ (default: seed<SEED>)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--algo", default="", help="trainer algorithm preset (default: the config's; see `meshrl algorithms`)")
@@ -97,9 +104,12 @@ def build_parser(prog: str = "meshrl") -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="train: start the stack, follow the run to its end, write runs/<name>/, stop")
     _stack_arguments(p)
+    p.add_argument("--random-ports", action="store_true", help="free ports instead of the default ones (50051.., "
+                   "4222, 8000), so it runs beside a stack that is up")
+    p.add_argument("--runs-root", type=pathlib.Path, default=None, help="the folder of run folders (default: runs/)")
     p.set_defaults(handler=_run)
     p = sub.add_parser("up", help="the same stack in the background on the default ports, supervised")
-    _stack_arguments(p)
+    _stack_arguments(p, config=None)
     p.set_defaults(handler=lambda a: up(a.config, seed=a.seed, algo=a.algo, nats_mode=a.nats))
     sub.add_parser("down", help="stop the stack that `up` started").set_defaults(handler=lambda a: down())
     sub.add_parser("status", help="the stack's processes and services").set_defaults(handler=lambda a: status())
@@ -143,10 +153,13 @@ def build_parser(prog: str = "meshrl") -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, *, prog: str = "meshrl") -> None:
     """A user's mistake (a config setting, a path, a model name: ValueError) is one line on stderr and exit code
-    2; MESHRL_TRACEBACK=1 shows the traceback instead."""
+    2; MESHRL_TRACEBACK=1 shows the traceback instead. SIGINT / SIGTERM on run, chaos and supervise: exit code
+    128 + the signal's number once everything they started has stopped (`launcher.shutdown`)."""
     args = build_parser(prog).parse_args(argv)
     try:
         code = args.handler(args) or 0
+    except Interrupted as exc:  # SIGINT / SIGTERM: the command stopped what it started and said where the run is
+        code = exc.exit_code
     except ValueError as exc:
         if os.environ.get("MESHRL_TRACEBACK"):
             raise

@@ -1,18 +1,109 @@
-"""Local processes: real nats-servers with JetStream (one, or a three-node cluster), free ports."""
+"""Local processes: every child the launcher starts (`popen`: it dies with the launcher), real nats-servers
+with JetStream (one, or a three-node cluster), free ports."""
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import os
 import pathlib
+import queue
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+_CHILDREN: weakref.WeakSet[subprocess.Popen] = weakref.WeakSet()  # every process popen() started
+
+
+def _die_with_parent(parent: int) -> None:
+    """In the child, before exec: the kernel SIGKILLs it when the thread that forked it ends (the launcher's
+    main thread or the forker thread, both as long as the process). If the launcher died between fork and
+    prctl the signal will never come: the child was reparented already, so it ends itself."""
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _Forker:
+    """One daemon thread that lives as long as the process and starts the children asked for from other threads:
+    PR_SET_PDEATHSIG fires when the forking *thread* ends, so a child started from the supervisor's restart
+    thread would be killed when supervision stops (before its graceful SIGTERM)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def call(self, fn: Callable[[], subprocess.Popen], timeout: float = 60.0) -> subprocess.Popen:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="launcher-forker", daemon=True)
+                self._thread.start()
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs.put((fn, done))
+        try:
+            ok, value = done.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"the forker thread did not start the process within {timeout}s") from None
+        if not ok:
+            raise value
+        return value
+
+    def _serve(self) -> None:
+        while True:
+            fn, done = self._jobs.get()
+            try:
+                done.put((True, fn()))
+            except BaseException as exc:  # handed to the caller
+                done.put((False, exc))
+
+
+_FORKER = _Forker()
+
+
+def popen(args: Sequence[str], *, detach: bool = False, **kwargs) -> subprocess.Popen:
+    """`subprocess.Popen` for a process of the run: it dies with this process, even when this one is SIGKILLed
+    (Linux: PR_SET_PDEATHSIG), and runs in a process group of its own, so a terminal's Ctrl-C reaches only the
+    launcher, which stops its children in order (rollout first, NATS last); `detach`: a session of its own (the
+    `make up` supervisor's children: no terminal at all). `kill_children()` ends them all at once."""
+    parent = os.getpid()
+    if detach:
+        kwargs["start_new_session"] = True
+    else:
+        kwargs["process_group"] = 0
+    if sys.platform.startswith("linux"):
+        kwargs["preexec_fn"] = lambda: _die_with_parent(parent)
+
+    def start() -> subprocess.Popen:
+        proc = subprocess.Popen(list(args), **kwargs)
+        _CHILDREN.add(proc)
+        return proc
+
+    return start() if threading.current_thread() is threading.main_thread() else _FORKER.call(start)
+
+
+def kill_children() -> list[int]:
+    """SIGKILL every live process popen() started, with its process group (a service's own children); the pids."""
+    killed = []
+    for proc in list(_CHILDREN):
+        if proc.returncode is not None:
+            continue
+        for kill, target in ((os.killpg, proc.pid), (os.kill, proc.pid)):  # the group is the child's own pid
+            try:
+                kill(target, signal.SIGKILL)
+            except OSError:
+                pass
+        killed.append(proc.pid)
+    return killed
 
 
 def free_port() -> int:
@@ -55,7 +146,7 @@ class NatsServer:
         self.cluster_port = cluster_port
         self.routes = list(routes)
         self.proc: subprocess.Popen | None = None
-        self.detach = False  # survive the parent (make up)
+        self.detach = False  # a session of its own (the `make up` supervisor's; it still dies with its parent)
 
     @property
     def url(self) -> str:
@@ -108,11 +199,10 @@ class NatsServer:
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.log_path, "ab") as log:
-                self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                             start_new_session=self.detach)
+                self.proc = popen(self.command(), stdout=log, stderr=subprocess.STDOUT, detach=self.detach)
         else:
-            self.proc = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                         start_new_session=self.detach)
+            self.proc = popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              detach=self.detach)
         return self.proc
 
     def start(self, timeout: float = 10.0) -> None:
@@ -323,8 +413,7 @@ class TrainerRanks:
         name = "trainer.log" if rank == 0 else f"trainer-rank{rank}.log"
         env = {**self.env, **group, "RANK": str(rank), "LOCAL_RANK": str(rank)}
         with open(self.log_dir / name, "ab") as log:
-            return subprocess.Popen(self.command, cwd=self.cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=self.detach)
+            return popen(self.command, cwd=self.cwd, env=env, stdout=log, stderr=subprocess.STDOUT, detach=self.detach)
 
     def stop(self, grace: float = 30.0) -> None:
         """Ranks 1.. (rank 0 is the supervisor's): they exit on rank 0's stop command, else are terminated."""

@@ -12,7 +12,6 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import grpc
@@ -21,8 +20,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from launcher import preflight
 from launcher.agents import AgentDriver
-from launcher.processes import NatsCluster, NatsServer, TrainerRanks, free_port
+from launcher.processes import NatsCluster, NatsServer, TrainerRanks, free_port, popen
 from launcher.report import EventLog, write_report
+from launcher.runfile import WIRING, check_wiring, fill, up_plan
+from launcher.shutdown import SHUTDOWN, Interrupted
 from launcher.supervisor import Backoff, Supervisor, pid_alive
 from launcher.watch import watch_run
 from services.common.auth import OPERATOR
@@ -248,50 +249,73 @@ class Stack:
 
     def service_config(self, service: str, plan: dict, *, seed: int, model_path: pathlib.Path, algo: str = "",
                        detach: bool = False) -> dict:
-        """One service's config: the run config's section with the stack's addresses, credentials, the model
-        directory (rollout engine, trainer, builder's and reward's tokenizers), the run's dtype and seed."""
+        """One service's config: the run config's section, then the stack's wiring (addresses, credentials, the
+        model directory: a file that sets one is refused, `launcher.runfile.check_wiring`), then the launcher's
+        defaults where the section leaves them unset (the run's seed, dtype, device, ...; `runfile.fill`).
+        `algo` (--algo) is the one setting the command line changes over the file's."""
+        section = plan.get("services", {}).get(service) or {}
+        wiring = self.service_wiring(service, model_path)
+        check_wiring(service, section, [k for k in wiring if k in WIRING])
+        cfg = fill(section, self.service_defaults(service, plan, seed=seed, algo=algo, detach=detach))
+        for key, value in wiring.items():
+            if isinstance(value, dict):
+                cfg[key] = {**(cfg.get(key) or {}), **value}
+            else:
+                cfg[key] = value
+        if service == "trainer" and algo and algo != cfg.get("algo"):
+            cfg["algo"] = algo
+            cfg.pop("algo_overrides", None)  # they were chosen for the profile's preset
+        return cfg
+
+    def service_wiring(self, service: str, model_path: pathlib.Path) -> dict:
+        """What the launcher sets in a service's config and the file may not: the stack's NATS, addresses and
+        folder, the run's credentials, the model directory (nested for rollout's gateway and engine)."""
+        wiring: dict = {"nats_url": self.nats.url, "grpc_address": self.address(service), "run_dir": str(self.run_dir)}
+        if self.credentials is not None:
+            wiring.update(self.credentials.service_config(service))
+        if service in ("rollout", "trainer"):
+            wiring["wx_address"] = self.address("weight_exchange")
+        if service in ("builder", "reward", "trainer"):
+            wiring["model_path"] = str(model_path)
+        if service == "rollout":
+            wiring["gateway"] = {"port": self.ports["gateway"]}
+            wiring["engine"] = {"model_path": str(model_path)}
+        return wiring
+
+    def service_defaults(self, service: str, plan: dict, *, seed: int, algo: str = "", detach: bool = False) -> dict:
+        """The launcher's defaults for a service's section (each stands only where the file leaves it unset)."""
+        builder = plan["services"]["builder"]
+        defaults: dict = {"metrics_port": self.ports[service] + 1000 if detach else 0}
+        if self.nats_mode == "cluster":
+            defaults["nats_replicas"] = 3
+        device = {}
+        if service in ("rollout", "trainer") and "device" in plan:  # the run config's top-level device
+            from services.common.device import check_device
+
+            device = {"device": check_device(plan["device"])}
+        if service == "rollout":
+            defaults["engine"] = {"seed": seed, "dtype": run_dtype(plan), **device}
+        if service == "trainer":
+            defaults.update(dtype=run_dtype(plan), **device,
+                            max_new_tokens=(builder.get("sampling") or {}).get("max_new_tokens", 8),
+                            total_steps=builder.get("total_steps", 0))
+        if service in ("builder", "trainer"):
+            defaults["seed"] = seed
+        if service == "builder" and plan.get("dataset"):  # the run config's top-level dataset section
+            defaults["dataset"] = plan["dataset"]
+        if service == "builder" and builder.get("dynamic_sampling") is None:
+            defaults["dynamic_sampling"] = self._dynamic_sampling(plan, algo)
+        return defaults
+
+    @staticmethod
+    def _dynamic_sampling(plan: dict, algo: str) -> bool:
+        """The builder filters and refills for the trainer's dynamic sampling (its preset's setting)."""
         from services.trainer.algorithms.presets import dynamic_sampling  # imports torch: only when starting
 
         trainer = plan.get("services", {}).get("trainer") or {}
         preset = algo or trainer.get("algo", "grpo")
         overrides = (trainer.get("algo_overrides") or {}) if preset == trainer.get("algo", "grpo") else {}
-        cfg = dict(plan.get("services", {}).get(service) or {})
-        cfg.update(nats_url=self.nats.url, grpc_address=self.address(service), run_dir=str(self.run_dir),
-                   metrics_port=self.ports[service] + 1000 if detach else 0)
-        if self.credentials is not None:
-            cfg.update(self.credentials.service_config(service))
-        if self.nats_mode == "cluster":
-            cfg["nats_replicas"] = 3
-        if service in ("rollout", "trainer"):
-            cfg["wx_address"] = self.address("weight_exchange")
-        if service in ("builder", "reward", "trainer"):
-            cfg["model_path"] = str(model_path)
-        if service == "rollout":
-            cfg.setdefault("gateway", {})["port"] = self.ports["gateway"]
-            cfg.setdefault("engine", {})["model_path"] = str(model_path)
-            cfg["engine"]["seed"] = seed
-            cfg["engine"].setdefault("dtype", run_dtype(plan))
-        if service == "trainer":
-            cfg.setdefault("dtype", run_dtype(plan))
-        if service in ("rollout", "trainer") and "device" in plan:  # the run config's top-level device
-            from services.common.device import check_device
-
-            (cfg["engine"] if service == "rollout" else cfg).setdefault("device", check_device(plan["device"]))
-        if service in ("builder", "trainer"):
-            cfg["seed"] = seed
-        if service == "builder" and plan.get("dataset"):  # the run config's top-level dataset section
-            cfg.setdefault("dataset", plan["dataset"])
-        if service == "builder":  # the builder filters and refills for the trainer's dynamic sampling
-            cfg.setdefault("dynamic_sampling", dynamic_sampling(preset, overrides))
-        if service == "trainer" and algo and algo != cfg.get("algo"):
-            cfg["algo"] = algo
-            cfg.pop("algo_overrides", None)  # they were chosen for the profile's preset
-        if service == "trainer":
-            sampling = plan["services"]["builder"].get("sampling", {})
-            cfg.setdefault("max_new_tokens", sampling.get("max_new_tokens", 8))
-        if service == "trainer":
-            cfg.setdefault("total_steps", plan["services"]["builder"].get("total_steps", 0))
-        return cfg
+        return dynamic_sampling(preset, overrides)
 
     def _spawner(self, service: str, config_file: pathlib.Path, *, detach: bool):
         """Starts the service; every restart gets the same config file, ports and (appended) log file."""
@@ -305,9 +329,9 @@ class Stack:
 
         def spawn() -> subprocess.Popen:
             with open(log_path, "ab") as log:
-                return subprocess.Popen([sys.executable, "-m", f"services.{service}", "--config", str(config_file)],
-                                        cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=log,
-                                        stderr=subprocess.STDOUT, start_new_session=detach)
+                return popen([sys.executable, "-m", f"services.{service}", "--config", str(config_file)], cwd=ROOT,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=log, stderr=subprocess.STDOUT,
+                             detach=detach)
 
         return spawn
 
@@ -327,25 +351,39 @@ class Stack:
                     raise TimeoutError(f"{service} not SERVING after {timeout}s")
                 time.sleep(0.2)
 
-    def stop(self, grace: float = 30.0) -> dict[str, int | None]:
-        """Stop supervising, then SIGTERM every service (rollout first, so no new work starts), then the bus."""
+    def stop(self, grace: float = 30.0, *, nats_grace: float = 5.0) -> dict[str, int | None]:
+        """Stop supervising, then SIGTERM every service (rollout first, so no new work starts), then the bus.
+
+        The services share one `grace` (all stop at once, so the whole stop takes at most about grace +
+        nats_grace + a few seconds): whatever still runs then is SIGKILLed with its process group (its own
+        children); trainer ranks 1.. get what is left of it."""
         self.supervisor.stop()
         procs = self.procs
         for service in reversed(SERVICES):
             proc = procs.get(service)
             if proc and proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
         codes = {}
         for service, proc in procs.items():
             try:
-                codes[service] = proc.wait(timeout=grace)
+                codes[service] = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                proc.kill()
-                codes[service] = proc.wait()
+                _kill_group(proc)
+                codes[service] = proc.wait(timeout=10)
         if self.trainer_ranks is not None:
-            self.trainer_ranks.stop(grace)
-        self.nats.stop()
+            self.trainer_ranks.stop(max(0.1, deadline - time.monotonic()))
+        self.nats.stop(nats_grace)
         return codes
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL a child and its process group (popen gives each child its own: the group is its pid)."""
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def health_check(address: str, service: str = "") -> bool:
@@ -386,6 +424,9 @@ def run(config: str, *, name: str, seed: int = 0, algo: str = "", ports: dict[st
     A service (or NATS) that dies meanwhile is restarted; the run ends on the builder's RUN_END or its timeout.
     Hooks: `on_healthy(stack, events)` once every service serves; `before_stop(stack, summary)` after the
     report, while the stack still runs.
+
+    SIGINT / SIGTERM (with `launcher.shutdown.SHUTDOWN` handling them, as the CLI does): the stack stops within
+    its budget, summary.json says "interrupted", and `Interrupted` is raised on after saying where the run is.
     """
     plan = load_plan(config)
     model_path = resolve_model(plan.get("model", "tiny-qwen3"), seed)
@@ -400,6 +441,7 @@ def run(config: str, *, name: str, seed: int = 0, algo: str = "", ports: dict[st
     started = time.time()
     summary: dict = {"completed": False}
     agents: AgentDriver | None = None
+    SHUTDOWN.results = str(run_dir)
     try:
         stack.start(plan, seed=seed, model_path=model_path, algo=algo)
         stack.wait_healthy(float(plan.get("startup_timeout_seconds", 300)))  # a real model loads slowly
@@ -417,15 +459,27 @@ def run(config: str, *, name: str, seed: int = 0, algo: str = "", ports: dict[st
         if before_stop is not None:
             before_stop(stack, summary)
     finally:
-        if agents is not None:
-            agents.stop()
-        codes = stack.stop()
-        summary["exit_codes"] = codes
-        summary["restarts"] = stack.restarts
-        summary["nats_mode"] = nats_mode
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        with SHUTDOWN.stopping():
+            _stop_run(stack, agents, summary, run_dir, nats_mode)
     print(json.dumps(summary, indent=2))
     return summary
+
+
+def _stop_run(stack: Stack, agents: AgentDriver | None, summary: dict, run_dir: pathlib.Path, nats_mode: str) -> None:
+    """The end of `run`, also after a signal (then within the shutdown budget): agents, stack, summary.json."""
+    if agents is not None:
+        agents.stop(timeout=3.0 if SHUTDOWN.interrupted else 10.0)
+    codes = stack.stop(SHUTDOWN.grace(30.0))
+    summary["exit_codes"] = codes
+    summary["restarts"] = stack.restarts
+    summary["nats_mode"] = nats_mode
+    if SHUTDOWN.interrupted:
+        summary["interrupted"] = Interrupted(SHUTDOWN.received).name
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if SHUTDOWN.interrupted:
+        print(f"meshrl: stopped by {summary['interrupted']}; every process of the run is stopped; the run's results "
+              f"so far (summary.json, metrics.jsonl, logs/, checkpoints/) are in {run_dir}", file=sys.stderr,
+              flush=True)
 
 
 # make up / down / status: `up` writes the stack's spec into STATE_FILE and starts a detached supervisor
@@ -433,20 +487,19 @@ def run(config: str, *, name: str, seed: int = 0, algo: str = "", ports: dict[st
 # restarts any that dies, records pids and restarts in STATE_FILE, and on SIGTERM (`make down`) stops
 # supervising, stops everything and removes STATE_FILE.
 
-def up(config: str, *, seed: int = 0, algo: str = "", nats_mode: str = "single", timeout: float = 180.0) -> None:
-    """The same stack in the background, unbounded, on the default ports, kept running by a supervisor process."""
+UP_CONFIG = "configs/run.yaml"  # `make up` without CONFIG: the main job's settings, made unbounded
+
+
+def up(config: str | None = None, *, seed: int = 0, algo: str = "", nats_mode: str = "single",
+       timeout: float = 180.0) -> None:
+    """The same stack in the background, on the default ports, kept running by a supervisor process: unbounded,
+    with the agent gateway, unless the run file `config` says otherwise (`launcher.runfile.UP_DEFAULTS`; without
+    one, UP_CONFIG with those settings over its own)."""
     if nats_mode not in NATS_MODES:
         raise SystemExit(f"--nats: must be one of {', '.join(NATS_MODES)}, got {nats_mode!r}")
     if STATE_FILE.exists():
         raise SystemExit(f"a stack is already up ({STATE_FILE}); run `make down` first")
-    plan = load_plan(config)
-    plan["services"]["builder"]["total_steps"] = 0
-    trainer = plan["services"].setdefault("trainer", {})
-    trainer["total_steps"] = 0
-    trainer.setdefault("optim", {})["schedule"] = "constant"  # an unbounded run has no end to decay to
-    rollout = plan["services"].setdefault("rollout", {})
-    rollout["gateway_enabled"] = True
-    rollout.setdefault("engine", {})["max_context"] = 2048  # agent prompts with tools are long in characters
+    plan = up_plan(load_plan(config or UP_CONFIG), force=config is None)
     model_path = resolve_model(plan.get("model", "tiny-qwen3"), seed)
     run_dtype(plan)
     run_dir = ROOT / "runs" / "up"
@@ -485,36 +538,43 @@ def up(config: str, *, seed: int = 0, algo: str = "", nats_mode: str = "single",
           + ("$MESHRL_ADMIN_KEY" if admin_key else f"generated at start into runs/up/{ADMIN_KEY_FILE} (mode 0600)"))
 
 
-def supervise(state_path: pathlib.Path) -> None:
+def supervise(state_path: pathlib.Path) -> int:
     """The detached supervisor of `make up`: start the stack from the spec in `state_path`, keep it running
-    (recording pids and restarts there), and on SIGTERM or SIGINT stop supervising, stop it all, remove the file."""
+    (recording pids and restarts there), and on SIGTERM or SIGINT stop supervising, stop it all (within
+    `launcher.shutdown.STOP_BUDGET_S`), remove the file. Returns the exit code: 128 + the signal's number."""
     state = read_state(state_path)
     spec = state["spec"]
-    stopping = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stopping.set())
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     stack = Stack(pathlib.Path(spec["run_dir"]), spec["ports"], nats_mode=spec.get("nats_mode", "single"))
+    SHUTDOWN.results = spec["run_dir"]
 
     def save(status: str) -> None:
         write_state(state_path, {**state, "status": status, "supervisor_pid": os.getpid(), **stack.snapshot()})
 
-    save("starting")
     try:
-        stack.start(spec["plan"], seed=spec["seed"], model_path=pathlib.Path(spec["model_path"]), algo=spec["algo"],
-                    detach=True)
-        save("running")
-        last = None
-        while not stopping.wait(1.0):
-            snapshot = stack.snapshot()
-            if snapshot != last:
+        with SHUTDOWN.handling():
+            try:
+                save("starting")
+                stack.start(spec["plan"], seed=spec["seed"], model_path=pathlib.Path(spec["model_path"]),
+                            algo=spec["algo"], detach=True)
                 save("running")
-                last = snapshot
-    finally:
-        save("stopping")
-        codes = stack.stop()
-        print(json.dumps({"stopped": True, "exit_codes": codes, "restarts": stack.restarts}), file=sys.stderr)
-        state_path.unlink(missing_ok=True)
+                last = None
+                while True:  # until a signal (Interrupted)
+                    time.sleep(1.0)
+                    snapshot = stack.snapshot()
+                    if snapshot != last:
+                        save("running")
+                        last = snapshot
+            finally:
+                with SHUTDOWN.stopping():
+                    save("stopping")
+                    codes = stack.stop(SHUTDOWN.grace(30.0))
+                    print(json.dumps({"stopped": True, "exit_codes": codes, "restarts": stack.restarts,
+                                      "results": spec["run_dir"]}), file=sys.stderr, flush=True)
+                    state_path.unlink(missing_ok=True)
+    except Interrupted as exc:
+        return exc.exit_code
+    return 1  # not reached: only a signal ends supervision
 
 
 def down(grace: float = 30.0) -> None:

@@ -115,4 +115,34 @@ def test_run_hands_its_options_to_the_stack(monkeypatch):
         cli.main(["run", "--config", "configs/x.yaml", "--seed", "3", "--nats", "cluster"])
     assert exit_.value.code == 1  # a run that did not complete
     assert seen == {"config": "configs/x.yaml", "name": "seed3", "seed": 3, "algo": "", "ports": cli.DEFAULT_PORTS,
-                    "nats_mode": "cluster"}
+                    "nats_mode": "cluster", "runs_root": None}
+
+
+def test_run_on_random_ports_under_another_folder(monkeypatch, tmp_path):
+    seen = {}
+    monkeypatch.setattr(cli, "run", lambda config, **kwargs: seen.update(kwargs) or {"completed": True})
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["run", "--random-ports", "--runs-root", str(tmp_path)])
+    assert exit_.value.code == 0
+    assert seen["runs_root"] == tmp_path and set(seen["ports"]) == set(cli.DEFAULT_PORTS)
+    assert seen["ports"]["nats"] != cli.DEFAULT_PORTS["nats"] or seen["ports"]["rollout"] != 50051
+
+
+def test_an_interrupted_command_exits_128_plus_the_signal(monkeypatch):
+    from launcher.shutdown import Interrupted
+
+    def run(config, **kwargs):
+        raise Interrupted(15)
+
+    monkeypatch.setattr(cli, "run", run)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["run"])
+    assert exit_.value.code == 143
+
+
+def test_up_without_config_leaves_the_choice_to_up(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(cli, "up", lambda config, **kwargs: seen.update(config=config))
+    with pytest.raises(SystemExit):
+        cli.main(["up"])
+    assert seen == {"config": None}

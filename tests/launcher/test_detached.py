@@ -19,14 +19,15 @@ from launcher.supervisor import pid_alive
 
 # the supervise command with a dummy in place of `python -m services.<name>`
 FAKE_SUPERVISE = """
-import pathlib, subprocess, sys
+import pathlib, sys
 import launcher.stack as st
+from launcher.processes import popen
 
 def spawner(self, service, config_file, *, detach):
-    return lambda: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=detach)
+    return lambda: popen([sys.executable, "-c", "import time; time.sleep(120)"], detach=detach)
 
 st.Stack._spawner = spawner
-st.supervise(pathlib.Path(sys.argv[1]))
+sys.exit(st.supervise(pathlib.Path(sys.argv[1])))
 """
 
 
@@ -73,23 +74,32 @@ def test_detached_supervisor_restarts_records_and_down_stops_it_first(tmp_path, 
             proc.kill()
     assert not state_file.exists()
     _wait(lambda: proc.poll() is not None, 5)
-    assert proc.returncode == 0, "the supervisor stopped cleanly on SIGTERM"
+    assert proc.returncode == 128 + signal.SIGTERM, "the supervisor stopped everything on SIGTERM, then exited 143"
     assert not any(pid_alive(p) for p in pids)
     log = (tmp_path / "run" / "logs" / "supervisor.log").read_text()
     assert '"service": "reward"' in log
 
 
-def test_down_cleans_up_after_a_killed_supervisor(tmp_path, monkeypatch):
+def test_a_killed_supervisors_processes_die_with_it_and_down_cleans_up(tmp_path, monkeypatch):
     proc, state_file = _start_supervisor(tmp_path)
     monkeypatch.setattr(stack_module, "STATE_FILE", state_file)
     state = read_state(state_file)
     pids = [*state["pids"].values(), *state["nats_pids"].values()]
-    os.kill(proc.pid, signal.SIGKILL)  # nobody restarts the services now; down finds them in the state file
+    os.kill(proc.pid, signal.SIGKILL)
     _wait(lambda: proc.poll() is not None, 5)
-    assert all(pid_alive(p) for p in pids)
+    _wait(lambda: not any(pid_alive(p) for p in pids), 10)  # PR_SET_PDEATHSIG: nothing is left to orphan
     stack_module.down(grace=5)
     assert not state_file.exists()
-    _wait(lambda: not any(pid_alive(p) for p in pids), 10)
+
+
+def test_sigint_to_the_supervisor_stops_everything_and_exits_130(tmp_path):
+    proc, state_file = _start_supervisor(tmp_path)
+    state = read_state(state_file)
+    pids = [*state["pids"].values(), *state["nats_pids"].values()]
+    proc.send_signal(signal.SIGINT)
+    _wait(lambda: proc.poll() is not None, 30)
+    assert proc.returncode == 128 + signal.SIGINT
+    assert not state_file.exists() and not any(pid_alive(p) for p in pids)
 
 
 def test_down_without_a_stack(tmp_path, monkeypatch, capsys):

@@ -63,6 +63,16 @@ class EvalTracker:
         rnd.token_versions.update(v for v in versions if v >= 0)
         return rnd if rnd.complete else None
 
+    def expire(self, round_id: int) -> EvalRound | None:
+        """A round whose missing results will never come (lost items): they count as wrong, and the round is
+        complete now (returned; None when it was complete already)."""
+        rnd = self.rounds.get(round_id)
+        if rnd is None or rnd.complete:
+            return None
+        for k in range(rnd.expected - len(rnd.rewards)):
+            rnd.rewards[f"missing-{k}"] = 0.0
+        return rnd
+
     @property
     def pending(self) -> bool:
         return any(not r.complete for r in self.rounds.values())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 
 import msgpack
 import prometheus_client
@@ -24,6 +25,7 @@ from services.common.bus import (
     CONSUMERS,
     SUBJECT_PROMPTS,
     SUBJECT_VERSIONS,
+    TRANSIENT,
     Bus,
     InvalidMessage,
     consume,
@@ -47,6 +49,8 @@ CHECKPOINTS_KEPT = 2
 ISSUED = prometheus_client.Counter("meshrl_builder_groups_issued_total", "Prompt groups issued")
 BATCHES = prometheus_client.Counter("meshrl_builder_batches_total", "Training batches published")
 DROPPED = prometheus_client.Counter("meshrl_builder_dropped_stale_total", "Trajectories dropped as stale")
+TRAJ_DISCARDED = prometheus_client.Gauge("meshrl_builder_traj_discarded",
+                                         "TRAJ messages discarded over its byte cap above the builder's ack floor")
 CAPACITY = prometheus_client.Gauge("meshrl_builder_capacity", "Groups that may still be admitted")
 GROUPS_FILTERED = prometheus_client.Counter("meshrl_builder_groups_filtered_total",
                                             "Groups without reward variance dropped by dynamic sampling")
@@ -107,6 +111,9 @@ class Builder:
         self.final_round: EvalRound | None = None
         self.run_end_seen = False
         self.finished = asyncio.Event()
+        self.traj_discarded = 0
+        self.eval_since: dict[int, float] = {}  # eval round -> when it was issued (or recovered), monotonic
+        self.in_flight_since: dict[str, float] = {}  # issued train group -> when (monotonic), until consumed
         self.checkpoints: list[int] = []  # versions of the newest CHECKPOINTS_KEPT checkpoint events
         self.blobs_pruned_below = 0
         self.failed = asyncio.Event()     # set with `failure`: a handler found an error that stops the service
@@ -170,6 +177,7 @@ class Builder:
         ISSUED.inc()
         if self.budget.refills > refills:
             EXTRA_PROMPTS.inc()
+        self.in_flight_since[work.group_id] = time.monotonic()
         await self._publish_work(work)
         return True
 
@@ -188,6 +196,7 @@ class Builder:
 
     async def issue_eval(self, version: int, *, final: bool = False) -> EvalRound:
         rnd = self.evals.start(version, len(self.eval_tasks), final=final)
+        self.eval_since[rnd.round_id] = time.monotonic()
         await self.ledger.add_eval(IssuedEval(rnd.round_id, version, rnd.expected, final))
         await self.publish_eval_work(rnd)
         return rnd
@@ -370,6 +379,7 @@ class Builder:
 
     async def _retire(self, group: Group) -> None:
         self.consumed_groups.add(group.group_id)
+        self.in_flight_since.pop(group.group_id, None)
         self.assembler.forget(group.group_id)
         for msg in group.acks:
             with contextlib.suppress(Exception):
@@ -482,6 +492,9 @@ class Builder:
             self.budget.dropped = dropped_workflow
             self.budget.filtered, self.budget.refills = len(filtered), min(ledger.refills, len(filtered))
             self.budget.in_flight = max(0, self.issued - batched - dropped_workflow)
+            restarted = time.monotonic()  # their clocks start again: the deadline counts from this recovery
+            self.in_flight_since = {f"g-{n}": restarted for n in range(self.issued)
+                                    if f"g-{n}" not in self.consumed_groups}
             self.train = itertools.islice(self.train, max(0, self.issued - 1), None)
             last = next(self.train) if self.issued else None
             if last is not None and f"g-{self.issued - 1}" not in self.consumed_groups:
@@ -492,6 +505,7 @@ class Builder:
             self.online.arrived = batched + len(ledger.dropped)
         for r in sorted(ledger.evals.values(), key=lambda r: r.round_id):
             rnd = self.evals.restore(r.round_id, r.version, r.expected, final=r.final)
+            self.eval_since[r.round_id] = time.monotonic()
             if r.final:
                 self.final_round = rnd
         reopened = [r for r in self.evals.rounds.values() if not r.complete]
@@ -511,12 +525,64 @@ class Builder:
         """Tell JetStream the scored trajectories held in open groups and eval rounds are still being worked on
         (so they are not redelivered while this builder lives, and are soon after it dies)."""
         every = (self.bus.ack_wait or CONSUMERS["builder"].ack_wait) / 3
+        ticks = 0
         while not stop.is_set():
+            ticks += 1
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=every)
             for msg in [*self.assembler.held(), *(m for ms in self.eval_acks.values() for m in ms)]:
                 with contextlib.suppress(Exception):
                     await msg.in_progress()
+            if self.live.is_set() and not stop.is_set():
+                await self.drop_expired(time.monotonic())
+                if ticks % 10 == 0:
+                    with contextlib.suppress(*TRANSIENT):
+                        await self.check_traj()
+
+    async def check_traj(self) -> int:
+        """Messages TRAJ discarded (over its byte cap: limits retention drops the oldest, acked or not) above the
+        builder's ack floor: trajectories not yet batched, or raw ones not yet scored. Said loudly, never silent;
+        their groups then time out (`drop_expired`)."""
+        info = await self.bus.js.stream_info("TRAJ")
+        floor = (await self.bus.js.consumer_info("TRAJ", "builder")).ack_floor.stream_seq or 0
+        lost = max(0, info.state.first_seq - 1 - floor)
+        if lost > self.traj_discarded:
+            TRAJ_DISCARDED.set(lost)
+            self.log.error("traj_discarded", messages=lost, first_seq=info.state.first_seq, ack_floor=floor,
+                           bytes=info.state.bytes, max_bytes=info.config.max_bytes,
+                           reason="TRAJ is over its byte cap (30% of nats_max_bytes) with trajectories in flight: "
+                                  "raise nats_max_bytes; the groups they belonged to are dropped as timeout")
+            self.traj_discarded = lost
+        return lost
+
+    async def drop_expired(self, at: float) -> int:
+        """Drop ("timeout") every issued group still incomplete `group_timeout_s` after its issue: a trajectory
+        that will never come (TRAJ over its byte cap discarded it, a work item lost) would otherwise hold its
+        budget slot forever and, with enough of them, stall the run. A member arriving later is acked as a
+        duplicate of a dropped group."""
+        dropped = 0
+        for group_id, since in list(self.in_flight_since.items()):
+            group = self.assembler.known.get(group_id)
+            if at - since < self.config.group_timeout_s or (group is not None and group.complete):
+                continue
+            if group_id in self.consumed_groups:
+                self.in_flight_since.pop(group_id, None)
+                continue
+            got = len(group.members) if group is not None else 0
+            self.log.warning("group_timeout", group_id=group_id, members=got, size=self.config.group_size,
+                             waited_s=round(at - since, 1))
+            await self._drop(group or Group(group_id, self.config.group_size), "timeout", source="workflow")
+            dropped += 1
+        for round_id, since in list(self.eval_since.items()):
+            if at - since < self.config.group_timeout_s:
+                continue
+            del self.eval_since[round_id]
+            rnd = self.evals.expire(round_id)
+            if rnd is not None:  # else complete already
+                self.log.warning("eval_timeout", round=round_id, missing=sum(k.startswith("missing-") for k in rnd.rewards),
+                                 reason="its missing results count as wrong")
+                await self._finish_eval(rnd)
+        return dropped
 
     def fail(self, exc: BaseException) -> None:
         """An error found inside a message handler that must take the service down (the consumer would only nak)."""

@@ -29,6 +29,7 @@ class BuilderConfig(ServiceConfig):
     dynamic_sampling: bool = False  # DAPO: drop groups of equal rewards, issue prompts in their place
     max_abs_reward: float = 1e6   # a scored trajectory's reward (and step rewards) beyond +-this is dead-lettered
     group_timeout_s: float = 1800.0  # an issued group not complete this long after its issue is dropped ("timeout")
+    final_checkpoint_timeout_s: float = 300.0  # RUN_END waits this long at most for the trainer's final checkpoint
     lease_seconds: float = 15.0   # one active builder: a second one waits as standby until the lease lapses this long
     dataset: DatasetConfig = dataclasses.field(default_factory=DatasetConfig)  # the run config's `dataset:`
 
@@ -42,6 +43,8 @@ class BuilderConfig(ServiceConfig):
             raise ValueError(f"max_abs_reward: must be in (0, {FLOAT32_MAX:.8g}] (rewards travel as float32), "
                              f"got {self.max_abs_reward}")
         check_lease_seconds(self.lease_seconds)
+        if not self.final_checkpoint_timeout_s >= 0:
+            raise ValueError(f"final_checkpoint_timeout_s: must be >= 0, got {self.final_checkpoint_timeout_s}")
         if not self.group_timeout_s > 0:
             raise ValueError(f"group_timeout_s: must be > 0, got {self.group_timeout_s}")
         if self.max_staleness < 0:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import pathlib
 import time
 
 import msgpack
@@ -112,6 +113,8 @@ class Builder:
         self.run_end_seen = False
         self.finished = asyncio.Event()
         self.traj_discarded = 0
+        self.final_checkpointed = False  # the trainer's CHECKPOINT event for final/ was seen
+        self.run_end_pending: tuple[int, dict[str, float], float] | None = None  # RUN_END asked, not yet out
         self.eval_since: dict[int, float] = {}  # eval round -> when it was issued (or recovered), monotonic
         self.in_flight_since: dict[str, float] = {}  # issued train group -> when (monotonic), until consumed
         self.checkpoints: list[int] = []  # versions of the newest CHECKPOINTS_KEPT checkpoint events
@@ -420,6 +423,21 @@ class Builder:
                 await held.ack()
 
     async def _publish_run_end(self, version: int, metrics: dict[str, float]) -> None:
+        """RUN_END, once the trainer's final checkpoint is out (what stops `make run`'s stack: a final/ still
+        being written would be cut off), or `final_checkpoint_timeout_s` after asking, whichever comes first."""
+        if self.run_end_pending is None:
+            self.run_end_pending = (version, metrics, time.monotonic())
+        await self._end_when_checkpointed()
+
+    async def _end_when_checkpointed(self) -> None:
+        if self.run_end_pending is None or self.finished.is_set():
+            return
+        version, metrics, asked = self.run_end_pending
+        waited = time.monotonic() - asked
+        if not self.final_checkpointed and waited < self.config.final_checkpoint_timeout_s:
+            return
+        if not self.final_checkpointed:
+            self.log.warning("run_end_without_final_checkpoint", waited_s=round(waited, 1))
         end = data_pb2.VersionEvent(event_id="run-end", version=version, kind=data_pb2.VERSION_KIND_RUN_END,
                                     at=now(), metrics=metrics)
         await self.bus.publish(SUBJECT_VERSIONS, end, end.event_id)
@@ -446,8 +464,10 @@ class Builder:
             self.finished.set()
         elif event.kind == data_pb2.VERSION_KIND_CHECKPOINT:
             self.checkpoints = sorted({*self.checkpoints, event.version})[-CHECKPOINTS_KEPT:]
+            self.final_checkpointed |= pathlib.PurePath(event.checkpoint_path).name == "final"
             if live:
                 await self.prune_blobs()
+                await self._end_when_checkpointed()
         self.changed.set()
 
     async def prune_blobs(self) -> None:
@@ -535,6 +555,7 @@ class Builder:
                     await msg.in_progress()
             if self.live.is_set() and not stop.is_set():
                 await self.drop_expired(time.monotonic())
+                await self._end_when_checkpointed()
                 if ticks % 10 == 0:
                     with contextlib.suppress(*TRANSIENT):
                         await self.check_traj()

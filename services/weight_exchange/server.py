@@ -7,15 +7,14 @@ import asyncio
 import grpc
 
 from services.common.auth import SHARED, Tls, caller, client_security, nats_credentials, server_security
-from services.common.bus import SUBJECT_VERSIONS, Bus
-from services.common.contracts import data_pb2
+from services.common.bus import Bus
 from services.common.contracts import weight_exchange_pb2 as wx_pb2
 from services.common.contracts import weight_exchange_pb2_grpc as wx_grpc
-from services.common.ids import now
 from services.common.lease import acquire
 from services.common.logging import get_logger
 from services.common.rpc import Servicer, bound_address, channel, invalid_argument, start_server
 from services.common.service import supervise
+from services.weight_exchange.announce import DeployedAnnouncer
 from services.weight_exchange.client.layout import RECEIVER, SENDER, RankLayout
 from services.weight_exchange.config import WeightExchangeConfig
 from services.weight_exchange.coordinator import ApplyError, Coordinator, RegisterDenied, SyncError
@@ -117,15 +116,17 @@ async def serve(config: WeightExchangeConfig, stop: asyncio.Event) -> None:
     if bus is not None and lease is None:
         await bus.close()
         return
-    keeper = [asyncio.create_task(lease.keep(stop), name="lease")] if lease is not None else []
-    supervise(keeper, stop)
+    background = [asyncio.create_task(lease.keep(stop), name="lease")] if lease is not None else []
+    supervise(background, stop)
+
+    announcer = DeployedAnnouncer(bus) if bus is not None else None
+    if announcer is not None:
+        background.append(asyncio.create_task(announcer.run(stop), name="deployed-announcer"))
+        supervise(background[-1:], stop)
 
     async def deployed(version: int) -> None:
-        if bus is None:
-            return
-        event = data_pb2.VersionEvent(event_id=f"deployed-{version}", version=version,
-                                      kind=data_pb2.VERSION_KIND_DEPLOYED, at=now())
-        await bus.publish(SUBJECT_VERSIONS, event, f"deployed-{version}")
+        if announcer is not None:
+            await announcer.deployed(version)
 
     client = client_security(config)
     agents = AgentClients(config.agent_token or client["token"], client["tls"])
@@ -143,7 +144,7 @@ async def serve(config: WeightExchangeConfig, stop: asyncio.Event) -> None:
         await server.stop()
         await coordinator.close()
         await agents.close()
-        await asyncio.gather(*keeper, return_exceptions=True)
+        await asyncio.gather(*background, return_exceptions=True)
         if lease is not None:
             await lease.release()
         if bus is not None:

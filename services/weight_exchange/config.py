@@ -21,6 +21,7 @@ class WeightExchangeConfig(ServiceConfig):
     rank_ttl: float = 30.0              # a rank with no registration (heartbeat) for this long is dropped; <= 0: never
     sender_identities: list[str] = dataclasses.field(default_factory=lambda: ["trainer"])   # may register senders
     receiver_identities: list[str] = dataclasses.field(default_factory=lambda: ["rollout"])  # may register receivers
+    check_agent_address: bool = True    # a receiver's agent_address must be the registering peer's (off behind a proxy)
     lease_seconds: float = 15.0         # one active instance: a second one waits as standby until the lease lapses
 
 

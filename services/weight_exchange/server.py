@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import urllib.parse
 
 import grpc
 
@@ -53,9 +54,37 @@ class AgentClients:
             await ch.close()
 
 
+def peer_ip(peer: str) -> str:
+    """gRPC's peer string ("ipv4:10.0.0.5:43210", "ipv6:%5B::1%5D:43210") -> the IP ("" for other kinds)."""
+    kind, _, rest = urllib.parse.unquote(peer).partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return ""
+    host = rest.rsplit(":", 1)[0]
+    return host.strip("[]")
+
+
+async def agent_is_caller(agent_address: str, peer: str) -> bool:
+    """True when `agent_address`'s host is (or resolves to) the IP the Register call came from."""
+    ip = peer_ip(peer)
+    host = agent_address.rsplit(":", 1)[0].strip("[]")
+    if not ip or not host:
+        return False
+    if host == ip:
+        return True
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, None)
+    except OSError:
+        return False
+    resolved = {info[4][0] for info in infos}
+    loopback = {"127.0.0.1", "::1"}
+    return ip in resolved or (ip in loopback and bool(resolved & loopback))
+
+
 class WeightExchangeServicer(wx_grpc.WeightExchangeServiceServicer):
-    def __init__(self, coordinator: Coordinator, roles: dict[str, tuple[str, ...]] | None = None) -> None:
+    def __init__(self, coordinator: Coordinator, roles: dict[str, tuple[str, ...]] | None = None, *,
+                 check_agent_address: bool = True) -> None:
         self.coordinator = coordinator
+        self.check_agent_address = check_agent_address
         self.roles = roles or {SENDER: ("trainer",), RECEIVER: ("rollout",)}  # role -> identities that may take it
 
     async def Register(self, request, context):  # noqa: N802
@@ -66,6 +95,11 @@ class WeightExchangeServicer(wx_grpc.WeightExchangeServiceServicer):
         if identity not in (None, SHARED) and identity not in self.roles.get(layout.role, ()):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{identity} may not register a "
                                 f"{layout.role or 'rank of unknown role'} rank")
+        if (identity is not None and self.check_agent_address and layout.role == RECEIVER
+                and not await agent_is_caller(layout.agent_address, context.peer())):
+            # the service dials agent_address with its own token: only the registering peer's own address
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"agent_address: {layout.agent_address!r} is "
+                                f"not an address of the registering peer ({context.peer()})")
         try:
             self.coordinator.register(layout, key=request.rank_key, owner=identity)
         except RegisterDenied as exc:
@@ -134,7 +168,8 @@ async def serve(config: WeightExchangeConfig, stop: asyncio.Event) -> None:
                               default_transport=config.default_transport, transfer_timeout=config.transfer_timeout,
                               control_timeout=config.control_timeout, verify=config.verify, rank_ttl=config.rank_ttl)
     roles = {SENDER: tuple(config.sender_identities), RECEIVER: tuple(config.receiver_identities)}
-    servicer = Servicer(wx_grpc.add_WeightExchangeServiceServicer_to_server, WeightExchangeServicer(coordinator, roles),
+    servicer = Servicer(wx_grpc.add_WeightExchangeServiceServicer_to_server, WeightExchangeServicer(
+        coordinator, roles, check_agent_address=config.check_agent_address),
                         wx_pb2.DESCRIPTOR.services_by_name["WeightExchangeService"].full_name)
     server = await start_server(config.grpc_address, [servicer], security=server_security(config))
     log.info("serving", address=bound_address(config.grpc_address, server.port))

@@ -31,6 +31,11 @@ from services.weight_exchange.client.layouts.topology import parse_side
 from services.weight_exchange.config import WeightExchangeConfig
 from services.weight_exchange.server import serve
 
+# A rank builds its model shard and registers before its ready line; a command may move the whole model (pulls
+# run under the 600 s transfer timeout). Generous for a loaded 2-core machine, yet a hung rank fails the case.
+START_TIMEOUT_S = 300.0
+REPLY_TIMEOUT_S = 900.0
+STOP_TIMEOUT_S = 60.0
 
 @dataclasses.dataclass
 class Case:
@@ -53,7 +58,7 @@ class RankProc:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
         await self.proc.stdin.drain()
-        reply = await _read_reply(self.proc, self.rank_id)
+        reply = await _read_reply(self.proc, self.rank_id, REPLY_TIMEOUT_S, waiting_for=f"the reply to {cmd['cmd']!r}")
         if "error" in reply:
             raise RuntimeError(f"{self.rank_id}: {reply['error']}")
         return reply
@@ -66,17 +71,34 @@ async def _spawn(role: str, side: str, rank: int, prefix: str, case: Case, wx: s
     err = open(os.path.join(log_dir, f"{prefix}-{rank}.log"), "w")
     proc = await asyncio.create_subprocess_exec(*cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                                                 stderr=err, limit=1 << 24)
-    return RankProc(proc, f"{prefix}-{rank}"), await _read_reply(proc, f"{prefix}-{rank} (see {err.name})")
+    try:
+        ready = await _read_reply(proc, f"{prefix}-{rank} (see {err.name})", START_TIMEOUT_S,
+                                  waiting_for="the ready line")
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()  # a rank that never got ready is not left behind
+        raise
+    return RankProc(proc, f"{prefix}-{rank}"), ready
 
 
-async def _read_reply(proc: asyncio.subprocess.Process, who: str) -> dict[str, Any]:
+async def _read_reply(proc: asyncio.subprocess.Process, who: str, timeout: float,
+                      waiting_for: str = "a reply") -> dict[str, Any]:
+    """The next reply line (MARK-prefixed) of `proc` within `timeout` seconds; TimeoutError names `who`, what it
+    waited for and the last other line the rank printed."""
     assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    last = ""
     while True:
-        line = (await proc.stdout.readline()).decode()
+        try:
+            raw = await asyncio.wait_for(proc.stdout.readline(), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise TimeoutError(f"{who}: {waiting_for} not seen within {timeout:g}s (last other output: {last!r})") from None
+        line = raw.decode(errors="replace")
         if not line:
-            raise RuntimeError(f"{who} exited")
+            raise RuntimeError(f"{who} exited before {waiting_for} (last other output: {last!r})")
         if line.startswith(MARK):
             return json.loads(line[len(MARK):])
+        last = line.strip()[-300:] or last
 
 
 class MemcpyFloor:
@@ -119,7 +141,7 @@ async def run_case(case: Case, log_dir: str = "/tmp") -> list[dict[str, Any]]:
         infos = [info for _, info in started]
         async with channel(address) as ch:
             stub = wx_grpc.WeightExchangeServiceStub(ch)
-            stats = (await stub.Plan(wx_pb2.PlanRequest())).stats
+            stats = (await stub.Plan(wx_pb2.PlanRequest(), timeout=60)).stats
             results = []
             for transport in case.transports:
                 results.append(await _measure(case, transport, stub, stats, spec.num_params() * _itemsize(case.dtype),
@@ -133,7 +155,11 @@ async def run_case(case: Case, log_dir: str = "/tmp") -> list[dict[str, Any]]:
             if p.proc.returncode is None:
                 p.proc.kill()
         stop.set()
-        await service
+        try:
+            await asyncio.wait_for(service, STOP_TIMEOUT_S)
+        except TimeoutError:
+            raise TimeoutError(f"the weight-exchange service at {address} did not stop within "
+                               f"{STOP_TIMEOUT_S:g}s") from None
 
 
 async def _measure(case: Case, transport: str, stub: Any, stats: Any, model_bytes: int, senders: list[RankProc],

@@ -51,12 +51,17 @@ class _TorchDist:
         store = server.extras[f"{self.name}_store"]
         prefix = f"wx/{request.get('receiver', '?')}/{uuid.uuid4().hex}"
         timeout = float(request.get("timeout", 60.0))
+        deadline = time.monotonic() + timeout   # the receiver's deadline for the whole pull, not per tensor
         send_frame(conn, {"ok": True, "store": f"{server.host}:{store.port}", "prefix": prefix})
         group = self.make_group(dist.PrefixStore(prefix, store), 0, conn.getsockname()[0], timeout)
         for tag, v in enumerate(views):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferTimeout(f"{self.name}: the receiver's {timeout:g}s passed after {tag} of {len(views)} "
+                                      "tensors")
             if v.device.type != self.device().type:   # e.g. a GPU parameter over gloo: through a host copy
                 v = v.to(self.device())
-            group.send([_bytes(v if v.is_contiguous() else v.contiguous())], 1, tag).wait()
+            _wait(group.send([_bytes(v if v.is_contiguous() else v.contiguous())], 1, tag), left)
 
     def pull(self, conn: socket.socket, reply: dict[str, Any], link: Link) -> None:
         host, port = reply["store"].rsplit(":", 1)

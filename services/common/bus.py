@@ -79,6 +79,9 @@ class ConsumerSpec:
     ack_wait: float = 60.0
     max_deliver: int = 5
     max_ack_pending: int = 1024
+    # a handler running longer is cancelled and its message nak'ed (redelivered, maybe to a healthy replica):
+    # keep-alive extends a running handler's ack deadline, so without a ceiling a wedged one holds it forever
+    max_handler_seconds: float = 900.0
 
 
 # BATCHES keeps every batch (subject batches.train.<index>) so a restarted trainer re-reads by index and a
@@ -101,7 +104,7 @@ MIN_MAX_BYTES = 64 << 20
 CONSUMERS = {
     spec.durable: spec
     for spec in (
-        ConsumerSpec("rollout", "PROMPTS", SUBJECT_PROMPTS, ack_wait=15.0),
+        ConsumerSpec("rollout", "PROMPTS", SUBJECT_PROMPTS, ack_wait=15.0, max_handler_seconds=3600.0),
         ConsumerSpec("reward", "TRAJ", SUBJECT_TRAJ_RAW, ack_wait=15.0),
         # the builder acks a trajectory only once the batch holding it is published; it keeps the ones it
         # holds alive (in_progress), so a dead builder's come back after ack_wait
@@ -369,7 +372,7 @@ async def retry(call: Callable[[], Awaitable[T]], *, what: str, deadline: float 
 async def consume(bus: Bus, consumer: str, decode: Callable[[Msg], M],
                   handle: Callable[..., Awaitable[None]], stop: asyncio.Event, *,
                   concurrency: int = 1, fetch_timeout: float = 1.0, gate: asyncio.Event | None = None,
-                  manual_ack: bool = False) -> None:
+                  manual_ack: bool = False, max_handler_seconds: float | None = None) -> None:
     """Pull from a durable consumer until `stop` is set; ack after `handle` returns.
 
     The ack is not confirmed by the server (no round trip per message): if it is lost (the connection drops
@@ -379,7 +382,8 @@ async def consume(bus: Bus, consumer: str, decode: Callable[[Msg], M],
     Up to `concurrency` handlers run at once. A handler raising InvalidMessage dead-letters the
     message; any other error naks it for redelivery; a message delivered more than `max_deliver`
     times (failed, or its handler's process died) is dead-lettered with the reason. While a handler runs,
-    the message's ack deadline is extended. While `gate` is clear nothing is fetched. On stop, fetched
+    the message's ack deadline is extended, up to `max_handler_seconds` (the consumer's own by default): then
+    the handler is cancelled and the message nak'ed. While `gate` is clear nothing is fetched. On stop, fetched
     messages that were not started are nak'ed and running handlers finish before this returns. A lost
     server is waited out (back-off), never raised.
     With `manual_ack`, the handler is called as `handle(obj, msg)` and acks the message itself once
@@ -402,10 +406,16 @@ async def consume(bus: Bus, consumer: str, decode: Callable[[Msg], M],
                                                      "(its handler failed, hung or its process died)")
                 await msg.term()
                 return
-            if manual_ack:
-                await handle(decode(msg), msg)
-            else:
-                await handle(decode(msg))
+            limit = spec.max_handler_seconds if max_handler_seconds is None else max_handler_seconds
+            ceiling = asyncio.timeout(limit)
+            try:
+                async with ceiling:
+                    await (handle(decode(msg), msg) if manual_ack else handle(decode(msg)))
+            except TimeoutError as exc:
+                if ceiling.expired():
+                    raise TimeoutError(f"handler ran past {limit:g}s (max_handler_seconds)") from exc
+                raise
+            if not manual_ack:
                 await msg.ack()
         except InvalidMessage as exc:
             await bus.dead_letter(consumer, msg, str(exc))

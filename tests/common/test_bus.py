@@ -13,6 +13,7 @@ import pytest
 
 from services.common.bus import SUBJECT_TRAJ_RAW, Bus, InvalidMessage, consume, decoder
 from services.common.contracts import data_pb2
+from tests.lines import read_line
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ACK_WAIT = 2.0
@@ -83,10 +84,10 @@ async def test_message_of_a_killed_consumer_is_redelivered_to_another(nats_serve
         proc = subprocess.Popen([sys.executable, "-c", KILLED_CONSUMER, nats_server.url, str(ACK_WAIT)],
                                 stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
         try:
-            assert proc.stdout.readline().strip() == f"{SUBJECT_TRAJ_RAW}/t-kill"
+            assert read_line(proc, 90, "the id of the message it fetched").strip() == f"{SUBJECT_TRAJ_RAW}/t-kill"
         finally:
             proc.kill()
-            proc.wait()
+            proc.wait(30)
         got = await collect(bus, "reward", 1)
         assert [t.trajectory_id for t in got] == ["t-kill"]
         info = await settled(bus, "TRAJ", "reward")
@@ -207,4 +208,34 @@ async def test_creating_streams_and_consumers_is_idempotent(nats_server, streams
         names = sorted([s.config.name for s in await bus.js.streams_info()])
         assert names == ["BATCHES", "DLQ", "EVENTS", "PROMPTS", "TRAJ"]
     finally:
+        await bus.close()
+
+
+async def test_a_handler_past_max_handler_seconds_is_cancelled_and_its_message_comes_back(nats_server):
+    """F21: keep-alive extends a running handler's deadline, so a wedged one (a paused replica, a stuck engine)
+    would hold its message forever; past the ceiling it is cancelled and the message redelivered."""
+    bus = await Bus.connect(nats_server.url, name="test")
+    stop = asyncio.Event()
+    calls: list[float] = []
+    cancelled = asyncio.Event()
+
+    async def wedged_then_fine(t: data_pb2.Trajectory) -> None:
+        calls.append(asyncio.get_running_loop().time())
+        if len(calls) == 1:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+        stop.set()
+
+    try:
+        await bus.publish(SUBJECT_TRAJ_RAW, traj("wedged"), "wedged")
+        task = asyncio.create_task(consume(bus, "reward", decoder(data_pb2.Trajectory), wedged_then_fine, stop,
+                                           max_handler_seconds=1.0))
+        await asyncio.wait_for(stop.wait(), 30)
+        await asyncio.wait_for(task, 30)
+        assert cancelled.is_set() and len(calls) == 2 and calls[1] - calls[0] >= 1.0
+    finally:
+        stop.set()
         await bus.close()

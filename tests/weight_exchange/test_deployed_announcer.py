@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from services.common.bus import SUBJECT_VERSIONS, Bus
+from services.common.bus import Bus
 from services.common.contracts import data_pb2
 from services.weight_exchange.announce import DeployedAnnouncer
 

@@ -161,7 +161,12 @@ class EmbeddedEngine:
         done = loop.create_future()
         group = _Group(n, lambda: loop.call_soon_threadsafe(_resolve, done, None))  # one wake-up per group
         seqs = [self.submit(prompt_ids, sampling, group.finished) for _ in range(n)]
-        await done
+        try:
+            await done
+        except asyncio.CancelledError:  # the caller gave up (a handler past its ceiling): free the slots
+            for seq in seqs:
+                self.abort(seq)
+            raise
         return seqs
 
     # interruption ---------------------------------------------------------------------------------------

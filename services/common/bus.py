@@ -56,6 +56,7 @@ class PeersOffline(ConnectionError):
 
 NO_SUITABLE_PEERS = 10005  # JetStream's err_code for "no suitable peers for placement"
 NO_STORAGE = 10047         # "insufficient storage resources available": a byte cap the server cannot reserve
+STREAM_IN_USE = 10058      # "stream name already in use with a different configuration"
 TRANSIENT = (nats.errors.TimeoutError, TimeoutError, nats.errors.NoRespondersError,
              nats.errors.ConnectionReconnectingError, nats.errors.ConnectionClosedError,
              nats.errors.OutboundBufferLimitError, nats.errors.StaleConnectionError,
@@ -151,6 +152,9 @@ class Bus:
         self.ack_wait = ack_wait
         self.replicas = replicas
         self.max_bytes = max_bytes
+        # who may rewrite a stream whose settings differ (services.common.credentials: the builder, the operator;
+        # anyone without auth): another identity's update would be refused and retried until its deadline
+        self.may_update_streams = True
 
     @classmethod
     async def connect(cls, url: str, *, name: str, ack_wait: float | None = None, replicas: int = 1,
@@ -211,6 +215,7 @@ class Bus:
         nc = await retry(attempt, what=f"connect to {url}", deadline=deadline,
                          errors=(*TRANSIENT, OSError, nats.errors.NoServersError))
         bus = cls(nc, ack_wait=ack_wait, replicas=replicas, max_bytes=max_bytes)
+        bus.may_update_streams = not user or user in ("builder", "operator")
         if declare:
             owned = declared_consumers(user)
             await retry(lambda: bus.ensure(owned), what="declare streams", deadline=deadline)
@@ -244,6 +249,11 @@ class Bus:
             if exc.err_code == NO_SUITABLE_PEERS:
                 raise ValueError(f"nats_replicas: JetStream cannot place {self.replicas} replicas of stream "
                                  f"{config.name} ({exc.description}); use at most the cluster's node count") from exc
+            if exc.err_code == STREAM_IN_USE and not self.may_update_streams:  # the builder's settings stand
+                get_logger().warning("stream_settings_differ", stream=config.name, error=exc.description,
+                                     reason="this service's nats_max_bytes / nats_replicas differ from the stream's: "
+                                            "the builder's are in force")
+                return
             await self.js.update_stream(config)
 
     def stream_max_bytes(self, spec: StreamSpec) -> int:

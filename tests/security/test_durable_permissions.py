@@ -107,3 +107,22 @@ async def test_only_the_owner_may_publish_a_durables_create(nats_with_auth, cred
         subject = f"{JS}.CONSUMER.DURABLE.CREATE.{spec.stream}.{durable}"
         refused = any(f'permissions violation for publish to "{subject.lower()}"' in e for e in errors)
         assert refused == (durable != identity), (identity, durable)
+
+
+async def test_a_service_whose_budget_differs_from_the_builders_starts_at_once_on_the_builders_streams(
+        nats_with_auth, creds):
+    """F23: a service may not update streams (only the builder and the operator may); one whose nats_max_bytes
+    differs from the builder's used to retry the refused update for its whole 600-s connect deadline."""
+    builder = await asyncio.wait_for(Bus.connect(nats_with_auth.url, name="builder", deadline=20,
+                                                 max_bytes=256 << 20, **creds.bus_options("builder")), 30)
+    try:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        reward = await asyncio.wait_for(Bus.connect(nats_with_auth.url, name="reward", deadline=60,
+                                                    max_bytes=128 << 20, **creds.bus_options("reward")), 90)
+        assert loop.time() - t0 < 15
+        await reward.close()
+        traj = await builder.js.stream_info("TRAJ")
+        assert traj.config.max_bytes == int(0.3 * (256 << 20))  # the builder's budget stands
+    finally:
+        await builder.close()

@@ -17,6 +17,10 @@ from services.common.auth import CALLER, OPEN_METHODS, AuthError, ServerSecurity
 from services.common.logging import get_logger
 
 MESSAGE_LIMITS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
+# what a server accepts before its interceptor checks the token (grpc reads a unary request whole first): small
+# unless the service takes large requests (the weight plane's layouts and plans: WX and the receivers' agents)
+DEFAULT_MAX_RECEIVE = 16 << 20
+LARGE_MAX_RECEIVE = 256 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +102,7 @@ class RpcServer:
 
 
 async def start_server(address: str, servicers: Sequence[Servicer], *, auth_token: str = "",
-                       security: ServerSecurity | None = None) -> RpcServer:
+                       security: ServerSecurity | None = None, max_receive_bytes: int = DEFAULT_MAX_RECEIVE) -> RpcServer:
     """Serve `servicers` on `address`. `security` (see services.common.auth.server_security) sets the tokens, the
     allow-list, TLS and reflection; `auth_token` alone is one token allowed everything. Without a token the
     address must be loopback."""
@@ -110,7 +114,8 @@ async def start_server(address: str, servicers: Sequence[Servicer], *, auth_toke
         raise AuthError(f"grpc_address: {address} is not a loopback address; refusing to serve it without a token "
                         "(set auth_token_file and auth_peers_file, or auth_token)")
     interceptors = [BearerTokenInterceptor(security.tokens, security.policy)] if security.tokens else []
-    server = grpc.aio.server(interceptors=interceptors, options=MESSAGE_LIMITS)
+    options = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", max_receive_bytes)]
+    server = grpc.aio.server(interceptors=interceptors, options=options)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [s.full_name for s in servicers]

@@ -26,7 +26,14 @@ from services.common.bus import (
 from services.common.contracts import common_pb2, data_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common.deadletters import DeadLetterWatch
 from services.common.logging import get_logger
-from services.common.rpc import Servicer, bound_address, invalid_argument, start_server
+from services.common.rpc import (
+    DEFAULT_MAX_RECEIVE,
+    LARGE_MAX_RECEIVE,
+    Servicer,
+    bound_address,
+    invalid_argument,
+    start_server,
+)
 from services.common.service import supervise
 from services.rollout.config import RolloutConfig
 from services.rollout.engines.base import (
@@ -151,7 +158,8 @@ async def serve(config: RolloutConfig, stop: asyncio.Event) -> None:
     if receiver is not None:
         servicers.append(receiver.servicer())
         rollout.hold("weights")  # until the weights are known to be the trainer's, not stale ones (a restart)
-    rpc = await start_server(config.grpc_address, servicers, security=server_security(config))
+    rpc = await start_server(config.grpc_address, servicers, security=server_security(config),
+                             max_receive_bytes=LARGE_MAX_RECEIVE if receiver is not None else DEFAULT_MAX_RECEIVE)
     address = bound_address(config.grpc_address, rpc.port)
     rollout.log.info("serving", grpc=address, subject=SUBJECT_PROMPTS, version=engine.version)
     tasks = [asyncio.create_task(consume(bus, "rollout", decoder(data_pb2.PromptWork), rollout.handle_work, stop,

@@ -13,7 +13,14 @@ from services.common.contracts import weight_exchange_pb2 as wx_pb2
 from services.common.contracts import weight_exchange_pb2_grpc as wx_grpc
 from services.common.lease import acquire
 from services.common.logging import get_logger
-from services.common.rpc import Servicer, bound_address, channel, invalid_argument, start_server
+from services.common.rpc import (
+    LARGE_MAX_RECEIVE,
+    Servicer,
+    bound_address,
+    channel,
+    invalid_argument,
+    start_server,
+)
 from services.common.service import supervise
 from services.weight_exchange.announce import DeployedAnnouncer
 from services.weight_exchange.client.layout import RECEIVER, SENDER, RankLayout
@@ -171,7 +178,8 @@ async def serve(config: WeightExchangeConfig, stop: asyncio.Event) -> None:
     servicer = Servicer(wx_grpc.add_WeightExchangeServiceServicer_to_server, WeightExchangeServicer(
         coordinator, roles, check_agent_address=config.check_agent_address),
                         wx_pb2.DESCRIPTOR.services_by_name["WeightExchangeService"].full_name)
-    server = await start_server(config.grpc_address, [servicer], security=server_security(config))
+    server = await start_server(config.grpc_address, [servicer], security=server_security(config),
+                                max_receive_bytes=LARGE_MAX_RECEIVE)  # rank layouts of large models
     log.info("serving", address=bound_address(config.grpc_address, server.port))
     try:
         await stop.wait()

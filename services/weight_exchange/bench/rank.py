@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from services.common.logging import configure_logging
-from services.common.rpc import start_server
+from services.common.rpc import LARGE_MAX_RECEIVE, start_server
 from services.weight_exchange.client import ReceiverAgent, SenderAgent
 from services.weight_exchange.client.layout import RECEIVER, SENDER, RankLayout
 from services.weight_exchange.client.layouts.hf import hf_shards
@@ -85,7 +85,7 @@ class Rank:
             return out
         self.agent = ReceiverAgent(self.rank_id, receiver_views(self.side.framework, self.tensors), a.wx,
                                    shards=self.shards, framework=self.side.framework, parallel=self.parallel)
-        self.server = await start_server("127.0.0.1:0", [self.agent.servicer()])
+        self.server = await start_server("127.0.0.1:0", [self.agent.servicer()], max_receive_bytes=LARGE_MAX_RECEIVE)
         await self.agent.register(f"127.0.0.1:{self.server.port}")
         return {}
 

@@ -276,7 +276,8 @@ class ReceiverAgent(_Registrant):
                 if self._on_pause is not None:
                     await self._on_pause()
             except Exception as exc:
-                await self._resume(old)
+                # no resume: a failed pause leaves no pause behind (the engines undo their own), and a resume
+                # here would undo someone else's, an operator's Pause
                 log.warning("pause_failed", rank_id=self.rank_id, version=request.version, error=str(exc))
                 raise _ApplyFailed(grpc.StatusCode.UNAVAILABLE, f"{self.rank_id}: pause failed: {exc}") from exc
             try:

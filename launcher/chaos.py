@@ -1,6 +1,15 @@
 """`make chaos`: a shortened run during which services (and nats-server) are SIGKILLed at moments chosen by a
 seed; the supervisor restarts them; afterwards the run's invariant is checked (`launcher.audit`) and written
 to runs/<name>/chaos.json. Exits non-zero when the invariant does not hold.
+
+`fill`: TRAJ is filled to that fraction of its byte cap (nats_max_bytes' share) before the first kill, with
+messages on a subject no consumer reads (a long run's old, consumed trajectories), so the run's own trajectories
+push it past its cap; `churn`: and filler keeps coming at that many bytes a second, so the stream turns over while
+the run's trajectories are in flight (TRAJ discards the oldest message, acked or not: finding F4).
+
+`standby`: a second instance of the single-active services named (builder, weight_exchange) runs beside the
+first from the start (whichever takes the lease first serves); a kill of such a service hits whichever instance is active then (the other one takes over,
+the killed one comes back as the standby).
 """
 
 from __future__ import annotations
@@ -15,7 +24,8 @@ import time
 
 from launcher.audit import audit_run
 from launcher.shutdown import SHUTDOWN
-from launcher.stack import SERVICES, Stack, health_check, run
+from launcher.stack import SERVICES, Stack, health_check, lease_events, run
+from services.common.credentials import LEASED
 
 TARGETS = (*SERVICES, "nats")
 
@@ -63,41 +73,163 @@ class Killer(threading.Thread):
         self.settle_timeout = settle_timeout
         self.nats_outage = nats_outage
         self.done: list[dict] = []
+        self.error = ""  # why the killer stopped early, if it failed
         self.finished = threading.Event()
         self.halt = threading.Event()
 
     def run(self) -> None:
         try:
-            for kill in self.plan:
-                while self.events.version < kill.at_version and not self.halt.is_set():
-                    time.sleep(0.1)
-                if self.halt.wait(kill.delay) or SHUTDOWN.interrupted:  # the run is stopping: no more kills
-                    return
-                before = self.stack.restarts.get(kill.service, 0)
-                version = self.events.version
-                hold = self.nats_outage if kill.service == "nats" else 0.0
-                self.stack.kill(kill.service, hold=hold)
-                self.done.append({"service": kill.service, "wall_second": round(time.time() - self.started, 1),
-                                  "policy_version": version, **({"down_seconds": hold} if hold else {})})
-                self._settle(kill.service, before)
+            self._kill_all()
+        except Exception as exc:  # reported as a violation: a chaos run whose kills failed tested nothing
+            self.error = repr(exc)
         finally:
             self.finished.set()
 
-    def _settle(self, service: str, before: int) -> None:
-        """Wait until the killed process is back (restarted, and SERVING for a service)."""
+    def _kill_all(self) -> None:
+        for kill in self.plan:
+            while self.events.version < kill.at_version and not self.halt.is_set():
+                time.sleep(0.1)
+            if self.halt.wait(kill.delay) or SHUTDOWN.interrupted:  # the run is stopping: no more kills
+                return
+            target = self._victim(kill.service)
+            if target is None:  # no instance became active and standby within the settle timeout
+                return
+            before = self.stack.restart_count(target)
+            version = self.events.version
+            hold = self.nats_outage if kill.service == "nats" else 0.0
+            self.stack.kill(target, hold=hold)
+            record = {"service": kill.service, "wall_second": round(time.time() - self.started, 1),
+                      "policy_version": version, **({"down_seconds": hold} if hold else {})}
+            self.done.append(record)
+            settled = self._settle(kill.service, target, before)
+            if kill.service in self.stack.standbys:  # which instance died, which one serves now
+                record.update(instance=target, active_after=self.stack.active(kill.service), settled=settled)
+
+    def _victim(self, service: str) -> str | None:
+        """The supervised name to kill: the service (or "nats"), or with a standby its active instance, once the
+        other one is known to stand by (else the kill would test nothing)."""
+        if service not in self.stack.standbys:
+            return service
         deadline = time.time() + self.settle_timeout
         while time.time() < deadline and not self.halt.is_set():
-            if self.stack.restarts.get(service, 0) > before and (
-                    service == "nats" or health_check(self.stack.address(service))):
-                return
+            active = self._paired(service)
+            if active is not None:
+                return active
             time.sleep(0.2)
+        return None
+
+    def _paired(self, service: str) -> str | None:
+        """The active instance of `service` when the other one stands by, else None."""
+        states = {n: self.stack.lease_state(n) for n in self.stack.instances(service)}
+        if sorted(states.values()) != ["active", "standby"]:
+            return None
+        return next(n for n, state in states.items() if state == "active")
+
+    def _settle(self, service: str, target: str, before: int) -> bool:
+        """Wait until the killed process is back (restarted, and SERVING for a service; with a standby, one
+        instance active and the other standing by again)."""
+        deadline = time.time() + self.settle_timeout
+        while time.time() < deadline and not self.halt.is_set():
+            if self.stack.restart_count(target) > before and (
+                    service == "nats" or health_check(self.stack.address(service))) and (
+                    service not in self.stack.standbys or self._paired(service) is not None):
+                return True
+            time.sleep(0.2)
+        return False
+
+
+FILLER_SUBJECT = "traj.filler"  # in TRAJ (traj.>), read by no consumer
+FILLER_CHUNK = 64 << 10
+
+
+class Filler(threading.Thread):
+    """Fills TRAJ to `fraction` of its byte cap with filler, then (churn > 0) adds `churn` bytes a second until
+    halted; records what it published and the stream's state."""
+
+    def __init__(self, nats_url: str, options: dict, *, fraction: float, churn: float = 0.0) -> None:
+        super().__init__(daemon=True, name="chaos-filler")
+        check_fill(fraction, churn)
+        self.nats_url, self.options, self.fraction, self.churn = nats_url, options, fraction, churn
+        self.filled = threading.Event()
+        self.halt = threading.Event()
+        self.published_bytes = 0
+        self.initial_bytes = 0  # what filling to `fraction` took
+        self.error = ""
+
+    def run(self) -> None:
+        try:
+            asyncio.run(self._run())
+        except Exception as exc:  # reported; the run goes on without (more) filler
+            self.error = repr(exc)
+        finally:
+            self.filled.set()
+
+    async def _run(self) -> None:
+        import nats
+
+        nc = await nats.connect(servers=self.nats_url.split(","), max_reconnect_attempts=-1, **self.options)
+        js, n = nc.jetstream(), 0
+        chunk = b"\0" * FILLER_CHUNK
+        try:
+            info = await js.stream_info("TRAJ")
+            if not info.config.max_bytes or info.config.max_bytes < 0:
+                raise ValueError("fill: TRAJ has no byte cap (nats_max_bytes -1)")
+            while (await js.stream_info("TRAJ")).state.bytes < self.fraction * info.config.max_bytes:
+                for _ in range(16):
+                    n = await self._publish(js, chunk, n)
+            self.filled.set()
+            started = time.monotonic()
+            while self.churn and not self.halt.is_set():
+                if self.published_bytes - self.initial_bytes > self.churn * (time.monotonic() - started):
+                    await asyncio.sleep(0.05)
+                    continue
+                n = await self._publish(js, chunk, n)
+        finally:
+            await nc.close()
+
+    async def _publish(self, js, chunk: bytes, n: int) -> int:
+        try:
+            await js.publish(FILLER_SUBJECT, chunk, headers={"Nats-Msg-Id": f"filler-{n}"}, timeout=10.0)
+        except Exception:  # NATS killed by the chaos: filler waits for it like any publisher
+            await asyncio.sleep(0.5)
+            return n
+        self.published_bytes += len(chunk)
+        if not self.filled.is_set():
+            self.initial_bytes = self.published_bytes
+        return n + 1
+
+
+def check_fill(fraction: float, churn: float) -> None:
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"fill: a fraction of TRAJ's byte cap in [0, 1), got {fraction}")
+    if churn < 0:
+        raise ValueError(f"churn: bytes a second, >= 0, got {churn}")
+    if churn and not fraction:
+        raise ValueError("churn: needs fill (the stream must be near its cap to turn over)")
+
+
+async def stream_state(nats_url: str, options: dict, stream: str = "TRAJ") -> dict:
+    """A stream's byte cap and what it holds after the run: `first_seq` - 1 messages were discarded (or acked off a
+    work queue)."""
+    import nats
+
+    nc = await nats.connect(servers=nats_url.split(","), **options)
+    try:
+        info = await nc.jetstream().stream_info(stream)
+    finally:
+        await nc.close()
+    return {"stream": stream, "max_bytes": info.config.max_bytes, "bytes": info.state.bytes,
+            "messages": info.state.messages, "first_seq": info.state.first_seq, "last_seq": info.state.last_seq,
+            "discarded_messages": max(0, info.state.first_seq - 1)}
 
 
 def chaos(config: str = "configs/chaos.yaml", *, seed: int = 0, kills: int | None = None,
           services: tuple[str, ...] = TARGETS, name: str = "", nats_mode: str = "single",
           runs_root: pathlib.Path | None = None, progress: bool = True, nats_outage: float = 0.0,
-          model_seed: int = 0) -> dict:
-    """`seed` chooses the kills; `model_seed` the run's model and sampling (the built model is reused)."""
+          model_seed: int = 0, standby: tuple[str, ...] = (), fill: float = 0.0, churn: float = 0.0) -> dict:
+    """`seed` chooses the kills; `model_seed` the run's model and sampling (the built model is reused); `standby`:
+    the single-active services that get a second instance once the stack serves; `fill`, `churn`: TRAJ near its
+    byte cap (see the module's doc)."""
     from launcher.stack import load_plan
 
     plan_cfg = load_plan(config)
@@ -106,9 +238,21 @@ def chaos(config: str = "configs/chaos.yaml", *, seed: int = 0, kills: int | Non
     if total < 4:
         raise ValueError(f"total_steps: a chaos run needs at least 4, got {total}")
     plan = schedule(seed, total, kills=kills, services=services)
+    for service in standby:
+        if service not in LEASED:
+            raise ValueError(f"standby: {service!r} is not a single-active service (one of {', '.join(LEASED)})")
+    check_fill(fill, churn)
     holder: dict = {}
 
+    def on_started(stack: Stack) -> None:  # beside the first instance from the start: the kill finds it ready
+        for service in standby:
+            stack.start_standby(service)
+
     def on_healthy(stack: Stack, events) -> None:
+        if fill:
+            holder["filler"] = Filler(stack.nats.url, stack.nats_connect_options, fraction=fill, churn=churn)
+            holder["filler"].start()
+            holder["filler"].filled.wait(120)  # seconds: 19 MiB at MIN_MAX_BYTES take a few
         holder["killer"] = Killer(stack, events, plan, time.time(), nats_outage=nats_outage)
         holder["killer"].start()
 
@@ -117,15 +261,24 @@ def chaos(config: str = "configs/chaos.yaml", *, seed: int = 0, kills: int | Non
         if killer is not None:
             killer.halt.set()
             killer.join(timeout=30)
+        filler: Filler | None = holder.get("filler")
+        if filler is not None:
+            filler.halt.set()
+            filler.join(timeout=30)
+            holder["traj"] = {**asyncio.run(stream_state(stack.nats.url, stack.nats_connect_options)),
+                              "filler_bytes": filler.published_bytes, "filler_bytes_at_start": filler.initial_bytes,
+                              **({"filler_error": filler.error} if filler.error else {})}
         result = asyncio.run(audit_run(stack.nats.url, stack.run_dir, completed=bool(summary.get("completed")),
                                        total_steps=total, eta=eta, nats_options=stack.bus_options))
         holder["audit"] = result
         holder["restarts"] = dict(stack.restarts)
+        holder["lease_events"] = {name: lease_events(stack.run_dir / "logs" / f"{name}.log")
+                                  for service in standby for name in stack.instances(service)}
 
     name = name or f"chaos-seed{seed}"
     started = time.time()
     summary = run(config, name=name, seed=model_seed, runs_root=runs_root, progress=progress, nats_mode=nats_mode,
-                  on_healthy=on_healthy, before_stop=before_stop)
+                  on_started=on_started, on_healthy=on_healthy, before_stop=before_stop)
     audit = holder.get("audit")
     killer = holder.get("killer")
     report = {
@@ -136,6 +289,8 @@ def chaos(config: str = "configs/chaos.yaml", *, seed: int = 0, kills: int | Non
         "schedule": [dataclasses.asdict(k) for k in plan],
         "kills": killer.done if killer else [],
         "restarts": holder.get("restarts", {}),
+        **({"standby": list(standby), "lease_events": holder.get("lease_events", {})} if standby else {}),
+        **({"fill": fill, "churn_bytes_per_second": churn, "traj": holder.get("traj", {})} if fill else {}),
         "completed": bool(summary.get("completed")),
         "steps": len(audit.batch_indices_trained) if audit else 0,
         **({k: v for k, v in audit.to_dict().items() if k not in ("completed", "total_steps")} if audit else {}),
@@ -145,6 +300,8 @@ def chaos(config: str = "configs/chaos.yaml", *, seed: int = 0, kills: int | Non
         "eval_accuracy_after": summary.get("eval_accuracy_after"),
     }
     report["violations"] = audit.violations() if audit else ["no audit: the stack did not come up"]
+    if killer is not None and killer.error:
+        report["violations"].append(f"the chaos killer failed: {killer.error}")
     if killer is not None and len(killer.done) < len(plan):
         report["kills_missed"] = len(plan) - len(killer.done)  # the run ended first: nothing was violated
     report["passed"] = not report["violations"]

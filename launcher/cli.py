@@ -55,9 +55,11 @@ def _chaos(args: argparse.Namespace) -> int:
     from launcher.chaos import TARGETS, chaos
 
     services = tuple(s.strip() for s in args.services.split(",") if s.strip()) or TARGETS
+    standby = tuple(s.strip() for s in args.standby.split(",") if s.strip())
     with SHUTDOWN.handling():
         report = chaos(args.config, seed=args.seed, kills=args.kills, services=services, name=args.name,
-                       nats_mode=args.nats, nats_outage=args.nats_outage, model_seed=args.model_seed)
+                       nats_mode=args.nats, nats_outage=args.nats_outage, model_seed=args.model_seed,
+                       standby=standby, fill=args.fill, churn=args.churn)
     print(json.dumps({k: v for k, v in report.items() if k != "schedule"}, indent=2))
     return 0 if report["passed"] else 1
 
@@ -123,6 +125,10 @@ def build_parser(prog: str = "meshrl") -> argparse.ArgumentParser:
     p.add_argument("--nats", choices=NATS_MODES, default="single")
     p.add_argument("--nats-outage", type=float, default=0.0, help="seconds nats-server stays down when killed")
     p.add_argument("--model-seed", type=int, default=0, help="the run's model and sampling seed (--seed picks kills)")
+    p.add_argument("--standby", default="", help="comma-separated single-active services (builder, weight_exchange) "
+                   "that run a second instance as a standby; a kill hits the active one")
+    p.add_argument("--fill", type=float, default=0.0, help="fill TRAJ to this fraction of its byte cap first")
+    p.add_argument("--churn", type=float, default=0.0, help="with --fill: filler bytes a second during the run")
     p.set_defaults(handler=_chaos)
 
     p = sub.add_parser("report", help="follow a deployed run's EVENTS until its end; write summary, metrics, plot")

@@ -27,7 +27,7 @@ from launcher.shutdown import SHUTDOWN, Interrupted
 from launcher.supervisor import Backoff, Supervisor, pid_alive
 from launcher.watch import watch_run
 from services.common.auth import OPERATOR
-from services.common.credentials import RunCredentials
+from services.common.credentials import LEASED, RunCredentials
 from services.rollout.gateway.config import ADMIN_KEY_FILE
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -145,6 +145,8 @@ class Stack:
         self.config_files: dict[str, pathlib.Path] = {}
         self.trainer_ranks: TrainerRanks | None = None  # ranks 1.. of a trainer with `ranks` > 1
         self._nats_node = 0  # the cluster node the latest kill("nats") hit
+        self.standbys: dict[str, str] = {}  # single-active service -> its second instance's supervised name (chaos)
+        self._log_starts: dict[str, int] = {}  # supervised name -> where its current process's log lines begin
 
     # credentials of the launcher's own clients (the operator)
 
@@ -209,9 +211,53 @@ class Stack:
     def _child(self, name: str) -> str:
         if name == "nats":
             return self.nats_children[self._nats_node] if isinstance(self.nats, NatsCluster) else "nats"
-        if name in SERVICES or name in self.nats_children:
+        if name in SERVICES or name in self.nats_children or name in self.standbys.values():
             return name
-        raise ValueError(f"name: unknown {name!r} (one of {', '.join((*SERVICES, *self.nats_children))}, nats)")
+        known = (*SERVICES, *self.standbys.values(), *self.nats_children)
+        raise ValueError(f"name: unknown {name!r} (one of {', '.join(known)}, nats)")
+
+    # a second instance of a single-active service (chaos): one of the two serves, the other waits for the lease
+
+    def start_standby(self, service: str) -> str:
+        """Start a second, supervised instance of `service` (builder or weight_exchange) beside the first, with the
+        same config file and so the same gRPC port: an instance binds it only once it holds the service's lease
+        (services.common.lease), so the one address always reaches the active instance and the peers, the health
+        checks and the report need no change. Its log is logs/<service>-standby.log. Returns its supervised name."""
+        if service not in LEASED:
+            raise ValueError(f"standby: {service!r} is not a single-active service (one of {', '.join(LEASED)})")
+        if service in self.standbys:
+            raise ValueError(f"standby: {service} has a second instance already")
+        name = f"{service}-standby"
+        self.supervisor.add(name, self._spawner(service, self.config_files[service], detach=False, name=name))
+        self.standbys[service] = name
+        return name
+
+    def instances(self, service: str) -> list[str]:
+        """The supervised names running `service`: itself, and its standby's when one was started."""
+        return [service, *([self.standbys[service]] if service in self.standbys else [])]
+
+    def lease_state(self, name: str) -> str:
+        """What the current process of instance `name` said of its lease: "active" (it serves), "standby" (it
+        waits for the lease), "starting" (neither yet) or "down" (no process runs)."""
+        if self.supervisor.pid(name) is None:
+            return "down"
+        events = lease_events(self._log_path(name), self._log_starts.get(name, 0))
+        if "serving" in events:
+            return "active"
+        return "standby" if "lease_standby" in events else "starting"
+
+    def active(self, service: str) -> str | None:
+        """The instance of `service` that serves now (its only one without a standby), or None."""
+        if service not in self.standbys:
+            return service
+        return next((n for n in self.instances(service) if self.lease_state(n) == "active"), None)
+
+    def restart_count(self, name: str) -> int:
+        """Restarts of a supervised name ("nats": all of its nodes together)."""
+        return self.restarts["nats"] if name == "nats" else self.supervisor.restarts.get(name, 0)
+
+    def _log_path(self, name: str) -> pathlib.Path:
+        return self.run_dir / "logs" / f"{name}.log"
 
     def snapshot(self) -> dict:
         """Pids and restart counts, as `make up` records them in its state file."""
@@ -317,9 +363,11 @@ class Stack:
         overrides = (trainer.get("algo_overrides") or {}) if preset == trainer.get("algo", "grpo") else {}
         return dynamic_sampling(preset, overrides)
 
-    def _spawner(self, service: str, config_file: pathlib.Path, *, detach: bool):
-        """Starts the service; every restart gets the same config file, ports and (appended) log file."""
-        log_path = self.run_dir / "logs" / f"{service}.log"
+    def _spawner(self, service: str, config_file: pathlib.Path, *, detach: bool, name: str = ""):
+        """Starts the service; every restart gets the same config file, ports and (appended) log file. `name`: the
+        supervised name and log of a second instance (`start_standby`)."""
+        name = name or service
+        log_path = self._log_path(name)
         ranks = int((yaml.safe_load(config_file.read_text()) or {}).get("ranks", 1)) if service == "trainer" else 1
         if ranks > 1:  # a trainer group: ranks 1.. start and stop with rank 0
             self.trainer_ranks = TrainerRanks([sys.executable, "-m", "services.trainer", "--config", str(config_file)],
@@ -329,6 +377,7 @@ class Stack:
 
         def spawn() -> subprocess.Popen:
             with open(log_path, "ab") as log:
+                self._log_starts[name] = log.tell()  # this process's lines come after what earlier ones wrote
                 return popen([sys.executable, "-m", f"services.{service}", "--config", str(config_file)], cwd=ROOT,
                              env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=log, stderr=subprocess.STDOUT,
                              detach=detach)
@@ -359,8 +408,9 @@ class Stack:
         children); trainer ranks 1.. get what is left of it."""
         self.supervisor.stop()
         procs = self.procs
-        for service in reversed(SERVICES):
-            proc = procs.get(service)
+        procs.update({n: self.supervisor.proc(n) for n in self.standbys.values()})
+        for name in [*self.standbys.values(), *reversed(SERVICES)]:
+            proc = procs.get(name)
             if proc and proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace
@@ -384,6 +434,28 @@ def _kill_group(proc: subprocess.Popen) -> None:
             kill(proc.pid, signal.SIGKILL)
         except OSError:
             pass
+
+
+LEASE_EVENTS = ("lease_standby", "lease_abandoned", "lease_acquired", "serving", "lease_renew_retry")
+
+
+def lease_events(log_path: pathlib.Path, start: int = 0) -> list[str]:
+    """The lease events (and "serving") a single-active service logged from byte `start` of its log, in order."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(start)
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            event = json.loads(line).get("event")
+        except (ValueError, AttributeError):
+            continue
+        if event in LEASE_EVENTS:
+            out.append(event)
+    return out
 
 
 def health_check(address: str, service: str = "") -> bool:
@@ -418,12 +490,12 @@ def load_plan(config: str) -> dict:
 
 def run(config: str, *, name: str, seed: int = 0, algo: str = "", ports: dict[str, int] | None = None,
         runs_root: pathlib.Path | None = None, progress: bool = True, on_healthy=None,
-        nats_mode: str = "single", before_stop=None) -> dict:
+        nats_mode: str = "single", before_stop=None, on_started=None) -> dict:
     """The main job: start the stack, train until the builder reports the run's end, report, stop.
 
     A service (or NATS) that dies meanwhile is restarted; the run ends on the builder's RUN_END or its timeout.
-    Hooks: `on_healthy(stack, events)` once every service serves; `before_stop(stack, summary)` after the
-    report, while the stack still runs.
+    Hooks: `on_started(stack)` once every process is started; `on_healthy(stack, events)` once every service
+    serves; `before_stop(stack, summary)` after the report, while the stack still runs.
 
     SIGINT / SIGTERM (with `launcher.shutdown.SHUTDOWN` handling them, as the CLI does): the stack stops within
     its budget, summary.json says "interrupted", and `Interrupted` is raised on after saying where the run is.
@@ -444,6 +516,8 @@ def run(config: str, *, name: str, seed: int = 0, algo: str = "", ports: dict[st
     SHUTDOWN.results = str(run_dir)
     try:
         stack.start(plan, seed=seed, model_path=model_path, algo=algo)
+        if on_started is not None:
+            on_started(stack)
         stack.wait_healthy(float(plan.get("startup_timeout_seconds", 300)))  # a real model loads slowly
         if on_healthy is not None:
             on_healthy(stack, events)

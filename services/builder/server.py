@@ -683,7 +683,7 @@ async def serve(config: BuilderConfig, stop: asyncio.Event) -> None:
         builder_pb2_grpc.add_BuilderServiceServicer_to_server, BuilderServicer(builder),
         builder_pb2.DESCRIPTOR.services_by_name["BuilderService"].full_name)], security=server_security(config))
     get_logger().info("serving", grpc_port=rpc.port, batch_size=config.batch_size, eta=config.max_staleness)
-    tasks = [*builder.start(stop), asyncio.create_task(lease.keep(stop), name="lease")]
+    tasks = [*builder.start(stop), asyncio.create_task(lease.hold(stop), name="lease")]
     supervise(tasks, stop)
     await stop.wait()
     await asyncio.gather(*tasks, return_exceptions=True)

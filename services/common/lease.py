@@ -25,6 +25,7 @@ import dataclasses
 import json
 import os
 import socket
+import sys
 import time
 
 import nats.errors
@@ -36,6 +37,7 @@ from services.common.config import check_lease_seconds
 from services.common.logging import get_logger
 
 KEY = "holder"
+LEASE_LOST_EXIT = 75  # EX_TEMPFAIL: restart me
 BUCKET_BYTES = 1 << 20  # a lease bucket's byte cap (one small key), outside nats_max_bytes
 _HELD_HERE: set[str] = set()  # services whose lease this process holds
 
@@ -99,6 +101,18 @@ class Lease:
             except TRANSIENT as exc:  # NATS away for a moment (TimeoutError included): until the deadline
                 get_logger().warning("lease_renew_retry", service=self.service, error=repr(exc))
                 await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
+    async def hold(self, stop: asyncio.Event) -> None:
+        """`keep` for a service: a lost lease ends the process at once (exit 75), since a graceful stop would let
+        writes already under way (retried for minutes through an outage) land after a standby took over. Its
+        supervisor restarts it, as a standby."""
+        try:
+            await self.keep(stop)
+        except LeaseLost as exc:
+            get_logger().error("lease_lost", service=self.service, error=str(exc), reason="exiting at once (fencing)")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(LEASE_LOST_EXIT)
 
     async def release(self) -> None:
         """Delete the lease (only if it is still ours), so a standby takes over at once; best effort."""

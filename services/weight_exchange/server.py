@@ -157,7 +157,7 @@ async def serve(config: WeightExchangeConfig, stop: asyncio.Event) -> None:
     if bus is not None and lease is None:
         await bus.close()
         return
-    background = [asyncio.create_task(lease.keep(stop), name="lease")] if lease is not None else []
+    background = [asyncio.create_task(lease.hold(stop), name="lease")] if lease is not None else []
     supervise(background, stop)
 
     announcer = DeployedAnnouncer(bus) if bus is not None else None

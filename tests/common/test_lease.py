@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
 
 from services.common.bus import Bus
-from services.common.lease import LeaseLost, acquire, check_ttl, holder_id
+from services.common.lease import LEASE_LOST_EXIT, LeaseLost, acquire, check_ttl, holder_id
+from tests.lines import read_line
 
 TTL = 3.0
 
@@ -125,3 +127,33 @@ async def test_a_lease_left_by_a_dead_process_of_this_host_is_taken_over_at_once
         stop.set()
         await a.close()
         await b.close()
+
+
+HOLDER = """
+import asyncio, sys
+from services.common.bus import Bus
+from services.common.lease import acquire
+async def main():
+    bus = await Bus.connect(sys.argv[1], name="holder", max_bytes=-1)
+    stop = asyncio.Event()
+    lease = await acquire(bus, "builder", ttl=3.0, stop=stop)
+    print("held", flush=True)
+    await lease.hold(stop)
+asyncio.run(main())
+"""
+
+
+def test_a_service_that_loses_its_lease_exits_at_once(nats_server):
+    """Fencing: no graceful stop (its writes under way could land after a standby took over)."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, nats_server.url], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        while read_line(proc, 60, "held").strip() != "held":  # log lines come first
+            pass
+        nats_server.stop()
+        t0 = time.monotonic()
+        assert proc.wait(30) == LEASE_LOST_EXIT
+        assert time.monotonic() - t0 < 10
+    finally:
+        proc.kill()
+        proc.wait(10)

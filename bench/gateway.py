@@ -103,8 +103,12 @@ async def agent_loop() -> None:
 
 
 class Agent:
-    def __init__(self) -> None:
+    """The agent process. `timeout`: seconds one case may take in it (a throughput case is sessions x turns
+    requests, each under httpx's own 300 s timeout; a loaded 2-core machine needs minutes for one)."""
+
+    def __init__(self, timeout: float = 1200.0) -> None:
         self.proc: asyncio.subprocess.Process | None = None
+        self.timeout = timeout
 
     async def start(self) -> None:
         self.proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "bench.gateway", "--agent",
@@ -113,14 +117,22 @@ class Agent:
     async def run(self, spec: dict) -> object:
         self.proc.stdin.write((json.dumps(spec) + "\n").encode())
         await self.proc.stdin.drain()
-        out = await self.proc.stdout.readline()
+        try:
+            out = await asyncio.wait_for(self.proc.stdout.readline(), self.timeout)
+        except TimeoutError:
+            raise TimeoutError(f"bench.gateway: the agent process gave no result for the {spec['kind']!r} case "
+                               f"within {self.timeout:g}s (exit code: {self.proc.returncode})") from None
         if not out:
             raise RuntimeError("the agent process exited")
         return json.loads(out)
 
-    async def close(self) -> None:
-        self.proc.stdin.close()
-        await self.proc.wait()
+    async def close(self, timeout: float = 30.0) -> None:
+        self.proc.stdin.close()  # its command loop ends at EOF
+        try:
+            await asyncio.wait_for(self.proc.wait(), timeout)
+        except TimeoutError:
+            self.proc.kill()  # e.g. stuck in a case that timed out above
+            await self.proc.wait()
 
 
 # the service process ----------------------------------------------------------------------------------------
@@ -269,6 +281,17 @@ async def serve(engine, tok, published: list):
     return app, timing, stop, task, f"http://127.0.0.1:{config.port}"
 
 
+async def wait_listening(app, task: asyncio.Task, timeout: float = 60.0) -> None:
+    """Until the gateway reports its bound port; an error naming the server task's state past `timeout`."""
+    deadline = time.monotonic() + timeout
+    while getattr(app.state, "port", None) is None:
+        if task.done() or time.monotonic() > deadline:
+            failure = task.exception() if task.done() and not task.cancelled() else None
+            raise RuntimeError(f"bench.gateway: the gateway did not listen within {timeout:g}s "
+                               f"(server task done: {task.done()}, failure: {failure!r})")
+        await asyncio.sleep(0.01)
+
+
 async def main(args: argparse.Namespace) -> None:
     import torch
 
@@ -289,8 +312,7 @@ async def main(args: argparse.Namespace) -> None:
         stub = StubEngine(tok.encode("Hi!", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")])
         for label, eng in (("stub_engine", stub), ("tiny_qwen3", engine)):
             app, timing, stop, task, url = await serve(eng, tok, published)
-            while getattr(app.state, "port", None) is None:
-                await asyncio.sleep(0.01)
+            await wait_listening(app, task)
             fmt = app.state.gateway.fmt
             await latency_case(f"added_latency_chat_{label}", agent, url, eng, fmt, history(1), False, args, timing)
             if eng is stub:
@@ -300,7 +322,7 @@ async def main(args: argparse.Namespace) -> None:
                 await latency_case("added_latency_chat_turn6_tiny_qwen3", agent, url, eng, fmt, history(6), False, args, timing)
                 await throughput_case(agent, url, eng, fmt, args, published)
             stop.set()
-            await task
+            await asyncio.wait_for(task, 60)  # uvicorn's shutdown: open connections closed, then the loop ends
     finally:
         await agent.close()
         engine.stop()

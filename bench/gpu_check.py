@@ -113,8 +113,12 @@ def check_engine(device) -> dict[str, Any]:
     engine.start()
     update: dict[str, Any] = {}
 
-    def interrupt(eng) -> None:
+    def interrupt(eng, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
         while eng.stats.tokens_generated < 16 * 8:
+            if eng.failure is not None or time.monotonic() > deadline:
+                raise TimeoutError(f"engine: {eng.stats.tokens_generated} of {16 * 8} tokens within {timeout:g}s "
+                                   f"(engine failure: {eng.failure})")
             time.sleep(0.005)
         eng.pause()
         update.update(_sync(new, eng.named_parameters(), version=1))

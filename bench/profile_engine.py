@@ -38,14 +38,20 @@ def prompts(tokenizer, count: int, seed: int) -> list[list[int]]:
     return [tokenizer.encode(f"What is {rng.randint(10, 999)} + {rng.randint(10, 999)}? ") for _ in range(count)]
 
 
-async def one_round(engine, batch: list[list[int]], sampling: Sampling, group: int, arrival: float = 0.0) -> int:
-    """All prompts at once, or (arrival > 0) one every `arrival` seconds, as prompt work trickles in from the bus."""
+async def one_round(engine, batch: list[list[int]], sampling: Sampling, group: int, arrival: float = 0.0,
+                    timeout: float = 900.0) -> int:
+    """All prompts at once, or (arrival > 0) one every `arrival` seconds, as prompt work trickles in from the bus;
+    TimeoutError past `timeout` seconds, naming what the engine saw."""
     tasks = []
     for p in batch:
         tasks.append(asyncio.ensure_future(engine.generate(p, sampling, n=group)))
         if arrival:
             await asyncio.sleep(arrival)
-    seqs = await asyncio.gather(*tasks)
+    try:
+        seqs = await asyncio.wait_for(asyncio.gather(*tasks), timeout)
+    except TimeoutError:
+        raise TimeoutError(f"profile_engine: {sum(not t.done() for t in tasks)} of {len(tasks)} prompts unfinished "
+                           f"after {timeout:g}s (engine failure: {engine.failure}; steps {engine.stats.steps})") from None
     return sum(len(s.output_ids) for group_seqs in seqs for s in group_seqs)
 
 

@@ -44,6 +44,7 @@ JOBS = {"tiny": ("configs/run.yaml", 0), "smollm2": ("configs/smollm2.yaml", 4)}
 LOSS_TYPES = {"token_mean": "dapo", "seq_mean_token_mean": "grpo"}  # meshrl loss_agg -> TRL loss_type
 SYSTEM_FIELDS = ("job", "system", "steps", "samples", "seconds_per_step", "samples_per_second", "generation_seconds",
                  "training_seconds", "eval_accuracy_before", "eval_accuracy_after", "peak_rss_bytes")
+RUN_TIMEOUT_S = 4 * 3600.0  # one system's whole run (the smollm2 job on a CPU takes well over an hour)
 RATIO_FIELDS = ("job", "system", "time_per_sample_ratio", "eval_accuracy_difference")
 
 
@@ -122,8 +123,9 @@ def tree_rss(root: int) -> int:
     return total
 
 
-def run_measured(cmd: list[str], **kwargs) -> tuple[float, int]:
-    """(seconds, peak tree RSS) of a command that must succeed."""
+def run_measured(cmd: list[str], timeout: float = RUN_TIMEOUT_S, **kwargs) -> tuple[float, int]:
+    """(seconds, peak tree RSS) of a command that must succeed within `timeout` seconds (past it: SIGTERM, so a
+    meshrl stack stops its services, then SIGKILL, and a RuntimeError naming the command)."""
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, **kwargs)
     peak = [0]
@@ -135,8 +137,19 @@ def run_measured(cmd: list[str], **kwargs) -> tuple[float, int]:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    code = proc.wait()
-    sampler.join()
+    try:
+        code = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        raise RuntimeError(f"{cmd[:3]} did not finish within {timeout:g}s (stopped; peak RSS so far "
+                           f"{peak[0]} bytes)") from None
+    finally:
+        sampler.join(5)  # it ends within one 0.2 s sample once the process is gone
     if code:
         raise RuntimeError(f"{cmd[:3]} exited with {code}")
     return time.perf_counter() - started, peak[0]

@@ -41,23 +41,34 @@ def log(msg: str) -> None:
     print(f"[test-deploy] {msg}", file=sys.stderr, flush=True)
 
 
+# Every command has a deadline, so a hung dockerd or registry fails the run naming the command
+# (subprocess.TimeoutExpired) instead of waiting forever. Builds and installs pass longer ones.
+COMMAND_TIMEOUT_S = 900.0
+BUILD_TIMEOUT_S = 3 * 3600.0
+
+
 def sh(*cmd: str, check: bool = True, capture: bool = False, env: dict | None = None,
-       timeout: float | None = None) -> subprocess.CompletedProcess:
+       timeout: float = COMMAND_TIMEOUT_S) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, check=check, text=True, env=env, timeout=timeout,
                           stdout=subprocess.PIPE if capture else sys.stderr,
                           stderr=subprocess.PIPE if capture else sys.stderr)
 
 
-def ok(*cmd: str) -> bool:
-    return subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
+def ok(*cmd: str, timeout: float = 60.0) -> bool:
+    """The command exits 0 within `timeout` seconds (a daemon that does not answer counts as not ok)."""
+    try:
+        return subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
 
 
 # 1. tools
 
 def apt_install(*packages: str) -> None:
     log(f"installing {' '.join(packages)} (apt)")
-    sh("apt-get", "update", "-qq")
-    sh("apt-get", "install", "-y", "-qq", *packages, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+    sh("apt-get", "update", "-qq", timeout=1800)
+    sh("apt-get", "install", "-y", "-qq", *packages, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+       timeout=1800)
 
 
 def ensure_tools(need_debootstrap: bool) -> None:
@@ -115,12 +126,13 @@ def build_images() -> dict[str, float]:
     if not ok("docker", "image", "inspect", BASE):
         log(f"building {BASE} from Debian packages")
         started = time.time()
-        sh("sh", str(ROOT / "deploy" / "docker" / "debian-base.sh"), BASE)
+        sh("sh", str(ROOT / "deploy" / "docker" / "debian-base.sh"), BASE, timeout=BUILD_TIMEOUT_S)
         times["base_build_seconds"] = round(time.time() - started, 1)
     stage_local_inputs()
     log(f"building {IMAGE}")
     started = time.time()
-    sh("docker", "build", "-q", "-f", "deploy/docker/Dockerfile", "--target", "cpu", "-t", IMAGE, str(ROOT))
+    sh("docker", "build", "-q", "-f", "deploy/docker/Dockerfile", "--target", "cpu", "-t", IMAGE, str(ROOT),
+       timeout=BUILD_TIMEOUT_S)
     times["build_seconds"] = round(time.time() - started, 1)
     return times
 

@@ -40,6 +40,9 @@ BATCH_STALENESS = prometheus_client.Gauge("meshrl_trainer_batch_staleness_trajec
                                           "Trajectories of the last batch by staleness (versions)", ["staleness"])
 SKIPPED = prometheus_client.Counter("meshrl_trainer_batches_skipped", "Batches dead-lettered and skipped")
 CHECKPOINT_ATTEMPTS = 3
+# The first registration with the weight exchange, which may start after the trainer: as long as the bus's connect
+# deadline. Past it the trainer exits naming the address (its supervisor restarts it) instead of idling unseen.
+REGISTER_TIMEOUT_S = 600.0
 COUNTERS = ("version", "trajectories_trained", "max_staleness", "max_versions", "sync_failures")  # resumed
 NO_RETRY = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
             grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
@@ -400,6 +403,19 @@ async def follow_rank0(config: TrainerConfig, engine, compute: ComputeThread, st
             await sender.close()
 
 
+async def wait_registered(sender, stop: asyncio.Event, address: str, timeout: float = REGISTER_TIMEOUT_S) -> None:
+    """Until `sender` registered (or `stop`); RuntimeError naming the weight exchange past `timeout` seconds."""
+    waiters = [asyncio.ensure_future(sender.registered.wait()), asyncio.ensure_future(stop.wait())]
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+    if not (sender.registered.is_set() or stop.is_set()):
+        raise RuntimeError(f"trainer: not registered with the weight exchange at {address} within {timeout:g}s "
+                           "(see the register_failed warnings)")
+
+
 async def heartbeat(leader, stop: asyncio.Event) -> None:
     """Rank 0 of a group while idle: a dead rank fails this task, which takes the service down."""
     while not stop.is_set():
@@ -434,7 +450,7 @@ async def serve_rank0(config: TrainerConfig, stop: asyncio.Event, leader=None,
             tasks.append(asyncio.create_task(sender.keep_registered(stop), name="wx_register"))
             supervise(tasks[-1:], stop)
             # a Sync before this process's registration landed would use a dead predecessor's endpoints
-            await wait_either(sender.registered, stop)
+            await wait_registered(sender, stop, config.wx_address)
         engine = trainer.engine
         get_logger().info("serving", grpc_port=rpc.port, algo=config.algo, lora=config.lora.enabled,
                           backend=config.backend, ranks=config.ranks,

@@ -53,15 +53,16 @@ async def test_publish_and_consume_ride_out_a_server_that_is_gone(nats_server):
                 break
             await asyncio.sleep(0.05)
         nats_server.proc.kill()
-        nats_server.proc.wait()
+        nats_server.proc.wait(30)
 
         async def restart_later() -> None:
             await asyncio.sleep(4.0)
             nats_server.start()  # same port, same store
 
         restarter = asyncio.create_task(restart_later())
-        assert await bus.publish(SUBJECT_TRAJ_RAW, traj("during"), "during") is True  # waits the outage out
-        await restarter
+        # waits the 4-s outage out (the bus's own deadline is minutes: this test's is one)
+        assert await asyncio.wait_for(bus.publish(SUBJECT_TRAJ_RAW, traj("during"), "during"), 60) is True
+        await asyncio.wait_for(restarter, 30)
         for _ in range(200):
             if "during" in got:
                 break
@@ -70,7 +71,7 @@ async def test_publish_and_consume_ride_out_a_server_that_is_gone(nats_server):
         assert not task.done(), "the consume loop must not exit on a lost server"
     finally:
         stop.set()
-        await task
+        await asyncio.wait_for(task, 60)
         await bus.close()
 
 

@@ -122,7 +122,7 @@ def run_locally(script: str, volumes: dict[str, pathlib.Path]) -> None:
     targets = sorted(volumes, key=len, reverse=True)
     pattern = re.compile(r"(?<![\w/.-])(" + "|".join(map(re.escape, targets)) + r")(?=[/\s]|$)")
     local = re.sub(r"^python ", f"{sys.executable} ", pattern.sub(lambda m: str(volumes[m[1]]), script))
-    subprocess.run(["sh", "-c", local], check=True, capture_output=True, cwd=ROOT)
+    subprocess.run(["sh", "-c", local], check=True, capture_output=True, cwd=ROOT, timeout=120)
 
 
 def secrets_seen(compose: dict, service: str, volumes: dict[str, pathlib.Path]) -> dict[str, bytes]:
@@ -264,7 +264,7 @@ def test_settings_load_into_each_service_config(compose):
 
 def test_docker_compose_config_accepts_it():
     for cmd in (["docker", "compose"], ["docker-compose"]):
-        if shutil.which(cmd[0]) and subprocess.run([*cmd, "version"], capture_output=True).returncode == 0:
+        if shutil.which(cmd[0]) and subprocess.run([*cmd, "version"], capture_output=True, timeout=60).returncode == 0:
             out = subprocess.run([*cmd, "-f", str(COMPOSE), "config", "--quiet"], capture_output=True, text=True,
                                  timeout=60)
             assert out.returncode == 0, out.stderr

@@ -43,7 +43,7 @@ def k8s_tree(tmp_path_factory) -> pathlib.Path:
     shutil.copytree(ROOT / "deploy" / "k8s", tree, ignore=shutil.ignore_patterns("credentials"))
     creds = tree / "overlays" / "dev" / "credentials"
     subprocess.run([sys.executable, "-m", "services.common.credentials", str(creds), "--nats-include",
-                    str(creds / "nats-auth.conf")], check=True, capture_output=True, cwd=ROOT)
+                    str(creds / "nats-auth.conf")], check=True, capture_output=True, cwd=ROOT, timeout=120)
     return tree
 
 
@@ -231,7 +231,7 @@ def test_nats_configuration_with_generated_credentials_is_valid(tmp_path, overla
     routes = ",".join(f"nats-route://nats-{i}.nats-headless:6222" for i in range(3))
     subprocess.run([sys.executable, "-m", "services.common.credentials", str(auth), "--nats-include",
                     str(auth / "nats-auth.conf"), "--nats-cluster-include", str(auth / "nats-cluster.conf"),
-                    "--nats-routes", routes], check=True, capture_output=True, cwd=ROOT)
+                    "--nats-routes", routes], check=True, capture_output=True, cwd=ROOT, timeout=120)
     out = subprocess.run([nats_server_binary(), "-c", str(tmp_path / "nats.conf"), "-t"], capture_output=True,
                          text=True, timeout=30, env={**os.environ, "POD_NAME": "nats-0"})
     assert out.returncode == 0, out.stdout + out.stderr

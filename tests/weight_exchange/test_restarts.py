@@ -93,6 +93,15 @@ async def eventually(check, timeout: float = 20.0):
             await asyncio.sleep(0.1)
 
 
+async def registered(agent, timeout: float = 30.0) -> None:
+    """Until `agent`'s registration succeeded; AssertionError naming the rank and its last reply past `timeout`."""
+    try:
+        await asyncio.wait_for(agent.registered.wait(), timeout)
+    except TimeoutError:
+        raise AssertionError(f"{agent.rank_id} not registered within {timeout:g}s "
+                             f"(last reply: {agent.last_reply})") from None
+
+
 async def status(address: str):
     async with channel(address) as ch:
         return await wx_grpc.WeightExchangeServiceStub(ch).Status(common_pb2.StatusRequest(), timeout=5)
@@ -123,7 +132,7 @@ async def test_restarted_receiver_and_sender():
     perturb_dict(trained, 2)
     async with service(address):
         async with receiving(address, weights(1), version=2) as old:
-            await old.registered.wait()
+            await registered(old)
         fresh = weights(1)
         async with receiving(address, fresh) as receiver:     # restarted: initial weights, version 0
             async with sending(address, trained, version=2):
@@ -138,7 +147,7 @@ async def test_restarted_receiver_and_sender():
                 restarted.begin_update()
                 perturb_dict(trained, 3)
                 restarted.end_update(3)
-                await restarted.registered.wait()
+                await registered(restarted)
                 reply = await eventually(lambda: restarted.sync(3, timeout=30))
                 assert reply.version == 3 and receiver.version == 3 and same(fresh, trained)
 
@@ -147,8 +156,8 @@ async def test_a_read_during_an_update_aborts_the_apply_naming_the_sender():
     address = f"127.0.0.1:{free_port()}"
     trained, live = weights(0), weights(1)
     async with service(address), sending(address, trained, version=0) as sender, receiving(address, live) as r:
-        await sender.registered.wait()
-        await r.registered.wait()
+        await registered(sender)
+        await registered(r)
         sender.begin_update()
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await sender.sync(1, timeout=30)

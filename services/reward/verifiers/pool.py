@@ -79,8 +79,12 @@ class _Worker:
 
 
 class VerifierPool:
-    def __init__(self, workers: int = 2) -> None:
+    """`slot_timeout_s`: how long a caller waits for a free worker (each holder is bounded by the start, load and
+    verification deadlines; past it the caller gets WorkerFailed, so the message is retried, not left hanging)."""
+
+    def __init__(self, workers: int = 2, slot_timeout_s: float = 900.0) -> None:
         self.size = workers
+        self.slot_timeout_s = slot_timeout_s
         self._idle: queue.SimpleQueue[_Worker | None] = queue.SimpleQueue()
         for _ in range(workers):
             self._idle.put(None)  # a slot; its worker starts on first use
@@ -91,7 +95,10 @@ class VerifierPool:
         """The verdict within `timeout_s` of the worker starting on it; else 0 with the reason. ValueError: the task
         itself is invalid (as the verifier said). A worker first loads a verifier (imports, plugin code, a
         reasoning-gym scorer) under the start deadline, so loading never counts against a verification's."""
-        worker = self._idle.get()
+        try:
+            worker = self._idle.get(timeout=self.slot_timeout_s)
+        except queue.Empty:
+            raise WorkerFailed(f"no verifier worker of {self.size} free within {self.slot_timeout_s:g}s") from None
         try:
             if worker is None:
                 worker = _Worker()

@@ -1,5 +1,5 @@
 """The command line of one sandboxed run: prlimit (rlimits, inherited by everything below) -> bwrap (namespaces,
-mounts, environment) -> the program."""
+mounts, environment) -> prlimit (nproc, counted in the run's own user namespace) -> the program."""
 
 from __future__ import annotations
 
@@ -39,9 +39,13 @@ def command(config: SandboxConfig, lang: Language, program: str | None, argv: li
     """`program`: the host path of the source file (bound read-only into SOURCE_DIR); `argv`: run this instead of
     the language's command (the start-up check runs `true`)."""
     limits = config.limits
-    prlimit = [shutil.which("prlimit") or "/usr/bin/prlimit", f"--cpu={limits.cpu_s}:{limits.cpu_s + 1}",
-               f"--as={limits.memory_mb * MB}", f"--nproc={limits.nproc}", f"--fsize={limits.fsize_mb * MB}",
-               f"--nofile={limits.nofile}", "--core=0", "--"]
+    prlimit = shutil.which("prlimit") or "/usr/bin/prlimit"
+    outer = [prlimit, f"--cpu={limits.cpu_s}:{limits.cpu_s + 1}", f"--as={limits.memory_mb * MB}",
+             f"--fsize={limits.fsize_mb * MB}", f"--nofile={limits.nofile}", "--core=0", "--"]
+    # RLIMIT_NPROC is set inside, by the run's pid 1: there the kernel counts it per user namespace and uid, so only
+    # this run's processes count (since Linux 5.14). Set outside, it would count every process of the uid: as a
+    # non-root service that is the service's own threads too, and bwrap itself could not start.
+    inner = [prlimit, f"--nproc={limits.nproc}", "--"]
     # --as-pid-1 so bwrap waits on pid 1 itself: its own pid-1 helper is left a zombie for the host's init to reap,
     # counting against the uid's RLIMIT_NPROC meanwhile. /bin/sh is pid 1 instead, so the program keeps the
     # ordinary signal semantics of a pid other than 1 (SIGXCPU, kill from inside); its exit ends the namespace.
@@ -55,4 +59,4 @@ def command(config: SandboxConfig, lang: Language, program: str | None, argv: li
     bwrap += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", WORK_DIR, "--clearenv"]
     for key, value in ENV.items():
         bwrap += ["--setenv", key, value]
-    return [*prlimit, *bwrap, "--", "/bin/sh", "-c", '"$@"', "sh", *(argv or lang.command(config.python, inside))]
+    return [*outer, *bwrap, "--", *inner, "/bin/sh", "-c", '"$@"', "sh", *(argv or lang.command(config.python, inside))]

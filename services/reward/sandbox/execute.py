@@ -13,6 +13,7 @@ import subprocess
 import tempfile
 import time
 
+from services.reward.sandbox.cgroup import JOIN_FAILED, JOIN_MARKER, Slot
 from services.reward.sandbox.config import Limits
 
 STATUSES = ("ok", "timeout", "memory", "killed", "error")
@@ -24,7 +25,9 @@ SETPRIV = shutil.which("setpriv", path=HOST_ENV["PATH"])
 @dataclasses.dataclass(frozen=True)
 class Result:
     """`ok`: exit 0; `error`: another exit code; `timeout`: past the wall clock or the CPU limit; `memory`: out of
-    memory (the language's marker); `killed`: ended by another signal (`exit_code` is then -signal)."""
+    memory (the language's marker, or the run's cgroup killed one of its processes); `killed`: ended by another
+    signal (`exit_code` is then -signal). `cause`: set when the sandbox, not the program, decided the outcome (it
+    could not start the run, or the run's aggregate memory bound stopped it); also the last line of `stderr`."""
 
     status: str
     exit_code: int | None
@@ -32,17 +35,26 @@ class Result:
     stderr: str
     wall_seconds: float
     truncated: bool = False  # some output went past max_output_bytes and was dropped
+    cause: str = ""
 
     def to_json(self) -> dict:
-        return {"status": self.status, "exit_code": self.exit_code, "stdout": self.stdout, "stderr": self.stderr,
-                "wall_seconds": round(self.wall_seconds, 3)}
+        out = {"status": self.status, "exit_code": self.exit_code, "stdout": self.stdout, "stderr": self.stderr,
+               "wall_seconds": round(self.wall_seconds, 3)}
+        return out | ({"cause": self.cause} if self.cause else {})
+
+    def because(self, status: str, cause: str) -> Result:
+        stderr = self.stderr + ("" if not self.stderr or self.stderr.endswith("\n") else "\n") + cause + "\n"
+        return dataclasses.replace(self, status=status, stderr=stderr, cause=cause)
 
 
 def run(argv: list[str], stdin: bytes, uid: int | None, limits: Limits, memory_markers: tuple[str, ...] = (),
-        timeout_s: float | None = None) -> Result:
+        timeout_s: float | None = None, cgroup: Slot | None = None) -> Result:
+    """`cgroup`: the slot the run's first process joins (as the caller, before the uid switch) ahead of the rest."""
     start = time.monotonic()
     deadline = start + (timeout_s or limits.timeout_s)
     argv, user = _as_user(argv, uid)
+    if cgroup is not None:
+        argv = cgroup.wrap(argv)
     with tempfile.TemporaryFile() as stdin_file:
         stdin_file.write(stdin)
         stdin_file.seek(0)
@@ -62,7 +74,23 @@ def run(argv: list[str], stdin: bytes, uid: int | None, limits: Limits, memory_m
     wall = time.monotonic() - start
     out, err = (bytes(s).decode("utf-8", errors="replace") for s in streams)
     status, code = _classify(proc.returncode, timed_out, err, memory_markers)
-    return Result(status, code, out, err, wall, truncated)
+    result = Result(status, code, out, err, wall, truncated)
+    cause = "" if timed_out else setup_failure(proc.returncode, err)
+    return result.because("error", cause) if cause else result
+
+
+def setup_failure(returncode: int, stderr: str) -> str:
+    """Why the sandbox could not start the run ("" if it did): bwrap's own error (it exits 1), or the cgroup join.
+    A program can fake either line, but only to fail its own run."""
+    lines = stderr.splitlines()
+    if returncode == JOIN_FAILED and any(line.startswith(JOIN_MARKER) for line in lines):
+        return "sandbox: could not start the run: " + next(ln for ln in lines if ln.startswith(JOIN_MARKER))
+    bwrap = [line for line in lines if line.startswith("bwrap: ")]
+    if returncode != 1 or not bwrap:
+        return ""
+    why = ("the uid's process or thread limit is exhausted (RLIMIT_NPROC or pids.max of the service), "
+           if "Resource temporarily unavailable" in bwrap[-1] else "")
+    return f"sandbox: could not start the run, not the program's fault: {why}{bwrap[-1]}"
 
 
 def _as_user(argv: list[str], uid: int | None) -> tuple[list[str], dict]:

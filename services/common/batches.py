@@ -102,8 +102,7 @@ async def read_batch(bus: Bus, index: int) -> data_pb2.TrainingBatch | None:
         store = await _blobs(bus)
         try:
             result = await retry(lambda: store.get(batch.object_name), what=f"read {batch.object_name}")
-        except (nats.js.errors.ObjectNotFoundError, nats.js.errors.ObjectDeletedError,
-                nats.js.errors.NotFoundError) as exc:
+        except nats.js.errors.NotFoundError as exc:  # ObjectNotFoundError and ObjectDeletedError included
             raise InvalidMessage(f"{batch.object_name}: the blob of batch {index} is gone (pruned once two "
                                  "checkpoints covered it, or past its 7 days)") from exc
         batch = _decode(result.data, batch.object_name)

@@ -144,11 +144,11 @@ class Scheduler:
         self.stale = True
         return ended
 
-    def fail_batch(self) -> list[Sequence]:
-        """The model step failed: end the running rows with "abort" (waiting work stays) and start afresh."""
+    def fail_batch(self, reason: str = "abort") -> list[Sequence]:
+        """The model step failed: end the running rows with `reason` (waiting work stays) and start afresh."""
         failed = self.running
         for seq in failed:
-            self._end(seq, "abort")
+            self._end(seq, reason)
         self.aborting.clear()
         self.batch = []
         self.stale = True
@@ -156,21 +156,16 @@ class Scheduler:
 
     def fail_all(self) -> list[Sequence]:
         """The engine cannot run any step: end every waiting and running sequence with "error"."""
-        ended = [*self.urgent, *self.waiting, *self.running]
-        self.urgent.clear()
-        self.waiting.clear()
-        for seq in ended:
-            self._end(seq, "error")
-        self.aborting.clear()
-        self.batch = []
-        self.stale = True
-        return ended
+        return self._end_all("error")
 
     def abort_all(self) -> list[Sequence]:
         """The engine stops: end every waiting and running sequence with "abort"."""
+        return self._end_all("abort")
+
+    def _end_all(self, reason: str) -> list[Sequence]:
         waiting = [*self.urgent, *self.waiting]
         self.urgent.clear()
         self.waiting.clear()
         for seq in waiting:
-            self._end(seq, "abort")
-        return waiting + self.fail_batch()
+            self._end(seq, reason)
+        return waiting + self.fail_batch(reason)

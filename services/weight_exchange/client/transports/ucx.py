@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from services.weight_exchange.client.transports.base import Item, Link, direct, staged
-from services.weight_exchange.client.wire import TransferTimeout, TransportError, host, send_frame
+from services.weight_exchange.client.wire import TransferTimeout, TransportError, host, recv_frame, send_frame
 
 ID_BYTES = 32
 
@@ -70,6 +70,18 @@ def _ucx_direct(item: Item) -> bool:
     return direct(item) and item.dst.device.type in ("cpu", "cuda")
 
 
+class _Pull:
+    """One pull the sender's listener is waiting to serve: what to send, and the two moments the control thread
+    and the UCX loop tell each other about."""
+
+    def __init__(self, views: list[torch.Tensor], timeout: float) -> None:
+        self.views = views
+        self.timeout = timeout
+        self.sent = threading.Event()              # set on the UCX loop, waited for by the control thread
+        self.errors: list[BaseException] = []
+        self.received = asyncio.Event()            # set (thread-safely) by the control thread, waited on the loop
+
+
 class UcxTransport:
     name = "ucx"
 
@@ -77,7 +89,7 @@ class UcxTransport:
         import ucxx
 
         loop = _Loop.get()
-        pending: dict[str, tuple[list[torch.Tensor], threading.Event, list[BaseException]]] = {}
+        pending: dict[str, _Pull] = {}
 
         async def handle(ep: Any) -> None:
             ident = np.empty(ID_BYTES, dtype=np.uint8)
@@ -86,18 +98,19 @@ class UcxTransport:
             if entry is None:
                 await ep.close()
                 return
-            views, done, errors = entry
             try:
-                for v in views:
+                for v in entry.views:
                     await ep.send(_array(v.contiguous() if v.device.type in ("cpu", "cuda") else host(v)))
-                # the receiver acknowledges everything, then waits for our goodbye before it closes: no side
-                # tears the endpoint down while a message is still in flight
-                await ep.recv(np.empty(1, dtype=np.uint8))
-                await ep.send(np.ones(1, dtype=np.uint8))
+                entry.sent.set()
+                # A completed send means our buffer is free, not that the bytes arrived: the endpoint stays open
+                # until the receiver says, on the TCP connection, that its last receive completed (a UCX
+                # goodbye message would itself be the last one in flight when we close).
+                await asyncio.wait_for(entry.received.wait(), entry.timeout)
             except BaseException as exc:  # noqa: BLE001 - handed to the control thread
-                errors.append(exc)
+                entry.errors.append(exc)
+                entry.sent.set()
             finally:
-                done.set()
+                await ep.close()
 
         async def listen() -> Any:
             return ucxx.create_listener(handle)
@@ -113,17 +126,24 @@ class UcxTransport:
 
     def serve(self, conn: socket.socket, request: dict[str, Any], views: list[torch.Tensor], server: Any) -> None:
         listener, pending = server.extras["ucx"]
+        loop = _Loop.get().loop
+        timeout = float(request.get("timeout", 60.0))
         ident = uuid.uuid4().hex
-        done, errors = threading.Event(), []
-        pending[ident] = (views, done, errors)
+        entry = pending[ident] = _Pull(views, timeout)
         try:
             send_frame(conn, {"ok": True, "port": listener.port, "id": ident})
-            if not done.wait(float(request.get("timeout", 60.0))):
-                raise TransferTimeout("ucx: receiver did not finish in time")
-            if errors:
-                raise TransportError(f"ucx: {errors[0]}")
+            if not entry.sent.wait(timeout):
+                raise TransferTimeout("ucx: receiver did not take the bytes in time")
+            if not entry.errors:
+                conn.settimeout(timeout)
+                got = recv_frame(conn)   # the receiver's word that its last receive completed
+                if not isinstance(got, dict) or not got.get("received"):
+                    raise TransportError(f"ucx: the receiver did not confirm receipt: {got!r}")
         finally:
+            loop.call_soon_threadsafe(entry.received.set)   # lets the handler close the endpoint in every case
             pending.pop(ident, None)
+        if entry.errors:
+            raise TransportError(f"ucx: {entry.errors[0]}")
 
     def pull(self, conn: socket.socket, reply: dict[str, Any], link: Link) -> None:
         import ucxx
@@ -146,9 +166,8 @@ class UcxTransport:
                     await ep.recv(_array(staging[:item.num_bytes]))
                     item.dst.copy_(staged(staging, item))
                 link.current = -1
-                await ep.send(np.ones(1, dtype=np.uint8))
-                await ep.recv(np.empty(1, dtype=np.uint8))
             finally:
                 await ep.close()
 
         _Loop.get().run(receive(), link.deadline - time.monotonic())
+        send_frame(conn, {"received": True})   # only now may the sender close its endpoint

@@ -26,18 +26,20 @@ import tempfile
 
 import yaml
 
+from launcher.runconfig import RunConfig
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TRAINER_BUSY = ("phase_pack_seconds", "phase_recompute_seconds", "phase_forward_seconds", "phase_backward_seconds",
                 "phase_optimizer_seconds")
 
 
-def case_plan(config: str, *, eta: int, steps: int, threads: int) -> dict:
-    plan = yaml.safe_load((ROOT / config).read_text())
-    builder = plan["services"]["builder"]
-    builder.update(max_staleness=eta, total_steps=steps, eval_every=steps)  # evaluate before and after only
-    plan["services"].setdefault("rollout", {}).setdefault("engine", {})["torch_threads"] = threads
-    plan["services"].setdefault("trainer", {})["torch_threads"] = threads
-    return plan
+def case_plan(config: str, *, eta: int, steps: int, threads: int) -> RunConfig:
+    plan = RunConfig.load(config, root=ROOT)
+    sections = plan.services
+    return plan.replace(
+        builder={**sections.builder, "max_staleness": eta, "total_steps": steps, "eval_every": steps},  # before, after
+        rollout={**sections.rollout, "engine": {**(sections.rollout.get("engine") or {}), "torch_threads": threads}},
+        trainer={**sections.trainer, "torch_threads": threads})
 
 
 OTHERS = ("reward", "builder", "weight_exchange")  # the services beside rollout and trainer (nats-server floats)
@@ -86,7 +88,7 @@ def run_case(config: str, *, eta: int, steps: int, seed: int, threads: int, pinn
 
     plan = case_plan(config, eta=eta, steps=steps, threads=threads)
     path = tmp / f"eta{eta}.yaml"
-    path.write_text(yaml.safe_dump(plan))
+    path.write_text(yaml.safe_dump(plan.to_dict()))
     placement = pin(pinned, others)
     name = f"async-eta{eta}"
     with contextlib.redirect_stdout(sys.stderr):  # the launcher prints its summary: keep stdout for JSON lines
@@ -96,7 +98,7 @@ def run_case(config: str, *, eta: int, steps: int, seed: int, threads: int, pinn
     rollout = [r for r in records if r["kind"] == "rollout"]
     seconds, samples, _ = steady_state(trained)
     tt, step = phase_times(trained)
-    return {"model": plan.get("model", "tiny-qwen3"), "eta": eta, "steps": summary.get("steps", 0),
+    return {"model": plan.model, "eta": eta, "steps": summary.get("steps", 0),
             "samples_trained": summary.get("trajectories_trained", 0), "wall_seconds": round(seconds, 2),
             "samples_per_second": round(samples / seconds, 2) if seconds else 0.0,
             "eval_accuracy_after": summary.get("eval_accuracy_after"),

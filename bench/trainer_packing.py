@@ -30,12 +30,11 @@ import statistics
 import time
 
 import torch
-import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.builder.datasets import DatasetConfig
+from launcher.runconfig import RunConfig, RunPlan
 from services.common.contracts import data_pb2
-from services.trainer.algorithms import AlgorithmConfig, token_entropy, token_logp
+from services.trainer.algorithms import token_entropy, token_logp
 from services.trainer.batching import PackedBatch, pack
 from services.trainer.forward import logp_and_entropy, sequence_logits
 from services.trainer.packing import PackingConfig, pack_rows, packed_forwards
@@ -43,17 +42,17 @@ from services.trainer.packing import PackingConfig, pack_rows, packed_forwards
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def job_batch(config: dict, tokenizer, seed: int) -> PackedBatch:
-    builder = config["services"]["builder"]
-    limit = builder["sampling"]["max_new_tokens"]
-    dataset = DatasetConfig.from_mapping(config["dataset"], base_dir=ROOT)
-    tasks = dataset.build(seed=seed, train_size=builder["batch_size"], eval_size=1).train
+def job_batch(plan: RunPlan, tokenizer, seed: int) -> PackedBatch:
+    builder = plan.builder
+    limit = builder.sampling.max_new_tokens
+    dataset = builder.dataset
+    tasks = dataset.build(seed=seed, train_size=builder.batch_size, eval_size=1).train
     encode, rng = dataset.encoder(tokenizer), random.Random(seed)
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     trajs = []
-    for g, task in enumerate(tasks[: builder["batch_size"]]):
+    for g, task in enumerate(tasks[: builder.batch_size]):
         prompt = encode(task)
-        for i in range(builder["group_size"]):
+        for i in range(builder.group_size):
             if rng.random() < 0.7:
                 terms = task.prompt.removeprefix("Calculate ").rstrip(".")
                 completion = tokenizer.encode(f"{terms} = {rng.randint(-20, 30)}", add_special_tokens=False) + [end]
@@ -97,14 +96,14 @@ def main(argv: list[str] | None = None) -> None:
         raise ValueError(f"--repeats: must be >= 1, got {args.repeats}")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    config = yaml.safe_load(pathlib.Path(args.config).read_text())
-    model_path = ROOT / config["model"]
+    run = RunConfig.load(args.config, root=ROOT)
+    plan = run.derive(seed=args.seed)
+    model_path = ROOT / run.model
     if not model_path.exists():
         raise SystemExit(f"no {model_path}: run scripts/convert_smollm2.py first")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).train()
-    trainer = config["services"]["trainer"]
-    algo = AlgorithmConfig.from_preset(trainer["algo"], **trainer.get("algo_overrides", {})).build()
+    algo = plan.trainer.build_algorithm()
     cases = {"padded": PackingConfig(), "packed": PackingConfig(enabled=True, max_tokens=args.max_tokens),
              "packed_unshared": PackingConfig(enabled=True, max_tokens=args.max_tokens, share_prompts=False),
              "packed_grid": PackingConfig(enabled=True, max_tokens=args.max_tokens)}
@@ -112,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     cpu_rates: dict[str, list[float]] = {c: [] for c in cases}
     lengths, computed = [], []
     for repeat in range(args.repeats + 1):  # the first round warms up
-        batch = job_batch(config, tokenizer, args.seed + repeat)
+        batch = job_batch(plan, tokenizer, args.seed + repeat)
         advantages = algo.compute_advantages(batch.rewards, batch.group_ids, batch.loss_mask).advantages
         real = batch.attention_mask.sum(-1)
         for case, packing in cases.items():
@@ -128,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     speed = {c: statistics.median(r) for c, r in rates.items()}
     cpu_speed = {c: statistics.median(r) for c, r in cpu_rates.items()}
     print(json.dumps({
-        "case": "trainer_packing", "model": config["model"], "rows": len(real) // args.repeats,
+        "case": "trainer_packing", "model": run.model, "rows": len(real) // args.repeats,
         "mean_length": round(float(real.float().mean()), 1), "max_length": int(real.max()),
         "real_tokens": int(real.sum()) // args.repeats, "padded_tokens": sum(len(x) * int(x.max()) for x in lengths)
         // args.repeats, "max_tokens": args.max_tokens, "repeats": args.repeats,

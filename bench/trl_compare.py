@@ -37,6 +37,7 @@ import time
 import yaml
 
 from bench.async_speedup import phase_times, steady_state
+from launcher.runconfig import RunConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"
@@ -48,23 +49,19 @@ RUN_TIMEOUT_S = 4 * 3600.0  # one system's whole run (the smollm2 job on a CPU t
 RATIO_FIELDS = ("job", "system", "time_per_sample_ratio", "eval_accuracy_difference")
 
 
-def job_plan(job: str, steps: int) -> dict:
+def job_plan(job: str, steps: int) -> RunConfig:
     """The job's run config with `steps` steps (0: the config's), evaluated only before and after."""
-    from launcher.stack import load_plan
-
     if job not in JOBS:
         raise ValueError(f"--job: unknown {job!r} (known: {', '.join(JOBS)})")
     config, default_steps = JOBS[job]
-    plan = load_plan(config)
-    builder = plan["services"]["builder"]
-    steps = steps or default_steps or builder["total_steps"]
+    plan = RunConfig.load(config, root=ROOT)
+    steps = steps or default_steps or plan.derive(seed=0).total_steps
     if steps < 2:
         raise ValueError(f"--steps: at least 2 (the steady state is measured between steps), got {steps}")
-    builder.update(total_steps=steps, eval_every=0)
-    return plan
+    return plan.replace(builder={**plan.services.builder, "total_steps": steps, "eval_every": 0})
 
 
-def export_rows(plan: dict, *, seed: int, model_dir: str) -> list[dict]:
+def export_rows(plan: RunConfig, *, seed: int, model_dir: str) -> list[dict]:
     """The prompts TRL trains on, in the order meshrl's builder issues them (before any refill), and the eval split:
     {split, prompt (the rendered text), prompt_ids (meshrl's encoding), answer}."""
     import itertools
@@ -83,26 +80,24 @@ def export_rows(plan: dict, *, seed: int, model_dir: str) -> list[dict]:
             for split, tasks in (("train", train), ("eval", data.eval)) for t in tasks]
 
 
-def trl_settings(plan: dict, *, seed: int, model_dir: str, data: str, out: str, grad_ckpt: bool,
+def trl_settings(plan: RunConfig, *, seed: int, model_dir: str, data: str, out: str, grad_ckpt: bool,
                  threads: int) -> dict:
-    """What bench/trl_job.py needs, taken from the run config as meshrl's services read it."""
-    from services.trainer.algorithms.config import AlgorithmConfig
-
-    builder, trainer = plan["services"]["builder"], plan["services"].get("trainer") or {}
-    algo = AlgorithmConfig.from_preset(trainer.get("algo", "grpo"), **(trainer.get("algo_overrides") or {}))
+    """What bench/trl_job.py needs, taken from the service configs meshrl derives from the same run config."""
+    derived = plan.derive(seed=seed)
+    builder, trainer = derived.builder, derived.trainer
+    algo = trainer.algorithm_config()
     if (algo.objective, algo.reward_norm_mean, algo.reward_norm_std) != ("ppo", "group", "group") or \
             algo.kl_loss_coef or algo.kl_ctl or algo.loss_agg not in LOSS_TYPES:
-        raise ValueError(f"trainer.algo: only GRPO-like presets map onto TRL's GRPOTrainer, got {trainer.get('algo')!r}")
-    optim = trainer.get("optim") or {}
-    sampling = builder.get("sampling") or {}
+        raise ValueError(f"trainer.algo: only GRPO-like presets map onto TRL's GRPOTrainer, got {trainer.algo!r}")
+    optim, sampling = trainer.optim, builder.sampling
     return {"model": model_dir, "data": data, "out": out, "seed": seed, "threads": threads, "grad_ckpt": grad_ckpt,
-            "dtype": plan.get("dtype", "float32"), "steps": builder["total_steps"], "batch_size": builder["batch_size"],
-            "group_size": builder["group_size"], "minibatches": optim.get("minibatches", 1),
-            "max_new_tokens": sampling.get("max_new_tokens", 8), "temperature": sampling.get("temperature", 1.0),
-            "top_p": sampling.get("top_p", 1.0), "lr": optim.get("lr", 1e-4), "betas": optim.get("betas", [0.9, 0.999]),
-            "weight_decay": optim.get("weight_decay", 0.0), "grad_clip": optim.get("grad_clip", 1.0),
-            "warmup_updates": optim.get("warmup_updates", 0), "schedule": optim.get("schedule", "constant"),
-            "min_lr_ratio": optim.get("min_lr_ratio", 0.1), "eps_clip": algo.eps_clip,
+            "dtype": trainer.dtype, "steps": builder.total_steps, "batch_size": builder.batch_size,
+            "group_size": builder.group_size, "minibatches": optim.minibatches,
+            "max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
+            "top_p": sampling.top_p, "lr": optim.lr, "betas": list(optim.betas),
+            "weight_decay": optim.weight_decay, "grad_clip": optim.grad_clip,
+            "warmup_updates": optim.warmup_updates, "schedule": optim.schedule,
+            "min_lr_ratio": optim.min_lr_ratio, "eps_clip": algo.eps_clip,
             "loss_type": LOSS_TYPES[algo.loss_agg]}
 
 
@@ -194,30 +189,26 @@ def ratio_line(job: str, meshrl: dict, trl: dict) -> dict:
             "target_met": bool(ratio is not None and ratio <= 0.5 and diff >= 0)}
 
 
-def evaluate(model_dir: str, plan: dict, seed: int) -> float:
+def evaluate(model_dir: str, plan: RunConfig, seed: int) -> float:
     from scripts.eval_checkpoint import evaluate as eval_checkpoint
 
     return eval_checkpoint(model_dir, plan, seed=seed)["accuracy"]
 
 
-def dynamic_sampling(plan: dict) -> bool:
-    from services.trainer.algorithms.presets import dynamic_sampling as wants
-
-    trainer = plan["services"].get("trainer") or {}
-    return wants(trainer.get("algo", "grpo"), trainer.get("algo_overrides") or {})
+def dynamic_sampling(plan: RunConfig) -> bool:
+    return plan.derive(seed=0).builder.dynamic_sampling
 
 
-def without_dynamic_sampling(plan: dict) -> dict:
-    plan = json.loads(json.dumps(plan))
-    trainer = plan["services"].setdefault("trainer", {})
-    trainer["algo_overrides"] = {**(trainer.get("algo_overrides") or {}), "dynamic_sampling": False}
-    return plan
+def without_dynamic_sampling(plan: RunConfig) -> RunConfig:
+    trainer = plan.services.trainer
+    return plan.replace(trainer={**trainer, "algo_overrides": {**(trainer.get("algo_overrides") or {}),
+                                                               "dynamic_sampling": False}})
 
 
-def run_meshrl(job: str, plan: dict, *, seed: int, runs_root: pathlib.Path, tmp: pathlib.Path) -> dict:
+def run_meshrl(job: str, plan: RunConfig, *, seed: int, runs_root: pathlib.Path, tmp: pathlib.Path) -> dict:
     sampling = dynamic_sampling(plan)
     config = tmp / f"meshrl-{sampling}.yaml"
-    config.write_text(yaml.safe_dump(plan))
+    config.write_text(yaml.safe_dump(plan.to_dict()))
     name = f"trl-compare-{job}-meshrl{'' if sampling else '-no-dynamic-sampling'}"
     start = ("import pathlib, sys; from launcher.stack import run; "
              "run(sys.argv[1], name=sys.argv[2], seed=int(sys.argv[3]), runs_root=pathlib.Path(sys.argv[4]), "
@@ -233,7 +224,7 @@ def run_meshrl(job: str, plan: dict, *, seed: int, runs_root: pathlib.Path, tmp:
             "process_seconds": round(seconds, 1), "peak_rss_bytes": peak}
 
 
-def run_trl(job: str, plan: dict, *, seed: int, model_dir: str, data: pathlib.Path, grad_ckpt: bool, threads: int,
+def run_trl(job: str, plan: RunConfig, *, seed: int, model_dir: str, data: pathlib.Path, grad_ckpt: bool, threads: int,
             runs_root: pathlib.Path, tmp: pathlib.Path) -> dict:
     out = runs_root / f"trl-compare-{job}-trl{'' if grad_ckpt else '-no-grad-ckpt'}"
     settings = trl_settings(plan, seed=seed, model_dir=model_dir, data=str(data), out=str(out), grad_ckpt=grad_ckpt,
@@ -264,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     from launcher.stack import resolve_model
 
     plan = job_plan(args.job, args.steps)
-    model_dir = str(resolve_model(plan.get("model", "tiny-qwen3"), args.seed))
+    model_dir = str(resolve_model(plan.model, args.seed))
     runs_root = pathlib.Path(args.runs_root)
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = pathlib.Path(tmp_name)

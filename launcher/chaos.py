@@ -230,11 +230,11 @@ def chaos(config: str = "configs/chaos.yaml", *, seed: int = 0, kills: int | Non
     """`seed` chooses the kills; `model_seed` the run's model and sampling (the built model is reused); `standby`:
     the single-active services that get a second instance once the stack serves; `fill`, `churn`: TRAJ near its
     byte cap (see the module's doc)."""
-    from launcher.stack import load_plan
+    from launcher.runconfig import RunConfig
+    from launcher.stack import ROOT
 
-    plan_cfg = load_plan(config)
-    builder = plan_cfg["services"]["builder"]
-    total, eta = int(builder.get("total_steps", 0)), int(builder.get("max_staleness", 0))
+    derived = RunConfig.load(config, root=ROOT).derive(seed=model_seed)  # what `run` derives from the same file
+    total, eta = derived.total_steps, derived.eta
     if total < 4:
         raise ValueError(f"total_steps: a chaos run needs at least 4, got {total}")
     plan = schedule(seed, total, kills=kills, services=services)

@@ -6,17 +6,12 @@ every verifier the tasks name must be one the reward service answers to, with op
 
 from __future__ import annotations
 
-import importlib
 import pathlib
 from typing import Any
 
+from launcher.runconfig import config_class
 from services.common.config import load_config
 
-CONFIG_CLASSES = {"builder": "services.builder.config:BuilderConfig",
-                  "reward": "services.reward.config:RewardConfig",
-                  "rollout": "services.rollout.config:RolloutConfig",
-                  "trainer": "services.trainer.config:TrainerConfig",
-                  "weight_exchange": "services.weight_exchange.config:WeightExchangeConfig"}
 GENERATED_SOURCES = ("arithmetic", "reasoning_gym")  # generated at start-up from checked options: nothing to read
 
 
@@ -26,10 +21,8 @@ class PreflightError(ValueError):
 
 def check_service(service: str, config_file: pathlib.Path) -> Any:
     """The service's config as the service will load it (environment overrides included)."""
-    module, name = CONFIG_CLASSES[service].split(":")
-    cls = getattr(importlib.import_module(module), name)
     try:
-        return load_config(cls, service, path=config_file)
+        return load_config(config_class(service), service, path=config_file)
     except ValueError as exc:
         raise PreflightError(f"services.{exc}") from None  # load_config names the field from the service down
 

@@ -102,7 +102,7 @@ def plot(events: EventLog, path: pathlib.Path, *, title: str) -> None:
     plt.close(fig)
 
 
-def write_report(stack, events: EventLog, run_dir: pathlib.Path, *, plan: dict, seed: int, algo: str,
+def write_report(stack, events: EventLog, run_dir: pathlib.Path, *, eta: int, agents: bool, seed: int, algo: str,
                  wall_seconds: float, completed: bool) -> dict:
     status = _statuses(stack)
     evals = events.of("eval")
@@ -129,13 +129,13 @@ def write_report(stack, events: EventLog, run_dir: pathlib.Path, *, plan: dict, 
                                                   default=0)),
         "interrupted_sequences": int(rollout.get("interrupted_sequences", 0)),
         "weight_updates_applied": int(rollout.get("weight_updates", 0)),
-        "eta": int(plan["services"]["builder"].get("max_staleness", 0)),
+        "eta": eta,
         "seed": seed,
         "eval_curve": [{"version": e["version"], "accuracy": e["accuracy"]} for e in evals],
         "final_checkpoint": next((c["checkpoint_path"] for c in reversed(events.of("checkpoint"))), None),
         "status": status,
     }
-    if plan.get("agents"):
+    if agents:
         rewards = [r.get("reward_mean", 0.0) for r in trained]
         quarter = max(1, len(rewards) // 4)
         summary["agent_reward_first_quarter"] = sum(rewards[:quarter]) / quarter if rewards else None

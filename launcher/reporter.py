@@ -89,8 +89,7 @@ def report(nats_url: str, out: pathlib.Path, *, total_steps: int, eta: int = 1, 
     completed = asyncio.run(watch_run(remote, events, total_steps=total_steps, timeout=timeout, progress=progress))
     times = [r["at"] for r in events.records if r.get("at")]
     wall = max(times) - min(times) if len(times) > 1 else time.time() - started
-    plan = {"services": {"builder": {"max_staleness": eta}}}
-    summary = write_report(remote, events, out, plan=plan, seed=seed, algo=algo, wall_seconds=wall,
+    summary = write_report(remote, events, out, eta=eta, agents=False, seed=seed, algo=algo, wall_seconds=wall,
                            completed=completed)
     summary["replicas"] = {service: replica_work(service, addresses[service], token) for service in WORK}
     summary["trajectories_generated"] = sum(r.get("trajectories_published", 0) for r in summary["replicas"]["rollout"])

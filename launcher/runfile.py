@@ -57,17 +57,6 @@ def check_wiring(service: str, section: dict | None, keys: list[str]) -> None:
 
 # `make up` (an unbounded stack in the background, with the agent gateway): its defaults for the run file
 UP_DEFAULTS = {"builder": {"total_steps": 0},                        # unbounded
-               "trainer": {"total_steps": 0,
-                           "optim": {"schedule": "constant"}},       # an unbounded run has no end to decay to
+               "trainer": {"optim": {"schedule": "constant"}},       # an unbounded run has no end to decay to
                "rollout": {"gateway_enabled": True,
                            "engine": {"max_context": 2048}}}         # agent prompts with tools are long
-
-
-def up_plan(plan: dict, *, force: bool = False) -> dict:
-    """The plan `make up` runs: UP_DEFAULTS where the run file leaves them unset; `force`: over the file's values
-    (for the built-in default file, which is written for `make run`'s bounded job, not the user's)."""
-    services = dict(plan.get("services") or {})
-    for service, defaults in UP_DEFAULTS.items():
-        section = services.get(service) or {}
-        services[service] = fill(defaults, section) if force else fill(section, defaults)
-    return {**plan, "services": services}

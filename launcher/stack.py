@@ -22,7 +22,7 @@ from launcher import preflight
 from launcher.agents import AgentDriver
 from launcher.processes import NatsCluster, NatsServer, TrainerRanks, free_port, popen
 from launcher.report import EventLog, write_report
-from launcher.runfile import WIRING, check_wiring, fill, up_plan
+from launcher.runconfig import BUILT_IN_MODELS, RunConfig, RunPlan
 from launcher.shutdown import SHUTDOWN, Interrupted
 from launcher.supervisor import Backoff, Supervisor, pid_alive
 from launcher.watch import watch_run
@@ -56,6 +56,7 @@ def nats_cluster_ports(ports: dict[str, int]) -> tuple[list[int], list[int]]:
 # name -> scripts/bootstrap_model.py flags; the agents' model starts higher so sampled groups carry signal
 MODELS = {"tiny-qwen3": [], "tiny-qwen3-chat": ["--chat", "--band", "0.3", "0.45"],
           "tiny-qwen3-tools": ["--tools", "--band", "0.3", "0.5", "--eval-every", "25"]}
+assert tuple(MODELS) == BUILT_IN_MODELS  # the run config tells built-in models from the user's by these names
 
 
 def ensure_model(name: str, seed: int) -> pathlib.Path:
@@ -95,15 +96,6 @@ MODEL_FILES = {"config (config.json)": ("config.json",),
                "safetensors weights (model.safetensors, model.safetensors.index.json)":
                    ("model.safetensors", "model.safetensors.index.json"),
                "tokenizer (tokenizer.json, tokenizer_config.json)": ("tokenizer.json", "tokenizer_config.json")}
-DTYPES = ("float32", "bfloat16")
-
-
-def run_dtype(plan: dict) -> str:
-    """The run config's `dtype` (the rollout engine's weights and the trainer's compute; default float32)."""
-    dtype = plan.get("dtype", "float32")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    return dtype
 
 
 class Stack:
@@ -280,38 +272,33 @@ class Stack:
             self.supervisor.add(child, node.spawn, proc=node.proc)
         self.supervisor.start()
 
-    def start(self, plan: dict, *, seed: int, model_path: pathlib.Path, algo: str = "", detach: bool = False) -> None:
+    def derive(self, run: RunConfig, *, seed: int, model_path: pathlib.Path, algo: str = "",
+               detach: bool = False) -> RunPlan:
+        """The five service configs for this stack: `RunConfig.derive` with the stack's wiring and its own
+        defaults (metrics ports under `make up`, replicas on a cluster)."""
+        return run.derive(seed=seed, algo=algo, wiring={s: self.service_wiring(s, model_path) for s in SERVICES},
+                          launcher={s: self.launcher_defaults(s, detach=detach) for s in SERVICES})
+
+    def start(self, configs: dict[str, dict], *, detach: bool = False) -> None:
+        """Write each service's config file (`RunPlan.values`: every setting), check them as the services will
+        load them, start NATS and the services."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for service in SERVICES:
-            cfg = self.service_config(service, plan, seed=seed, model_path=model_path, algo=algo, detach=detach)
             config_file = self.run_dir / "config" / f"{service}.yaml"
             config_file.parent.mkdir(exist_ok=True)
-            config_file.write_text(yaml.safe_dump(cfg))
+            config_file.write_text(yaml.safe_dump(configs[service]))
             self.config_files[service] = config_file
         preflight.check_all(self.config_files)  # a config error stops here, before any process starts
         self.start_nats(detach=detach)
         for service in SERVICES:
             self.supervisor.add(service, self._spawner(service, self.config_files[service], detach=detach))
 
-    def service_config(self, service: str, plan: dict, *, seed: int, model_path: pathlib.Path, algo: str = "",
-                       detach: bool = False) -> dict:
-        """One service's config: the run config's section, then the stack's wiring (addresses, credentials, the
-        model directory: a file that sets one is refused, `launcher.runfile.check_wiring`), then the launcher's
-        defaults where the section leaves them unset (the run's seed, dtype, device, ...; `runfile.fill`).
-        `algo` (--algo) is the one setting the command line changes over the file's."""
-        section = plan.get("services", {}).get(service) or {}
-        wiring = self.service_wiring(service, model_path)
-        check_wiring(service, section, [k for k in wiring if k in WIRING])
-        cfg = fill(section, self.service_defaults(service, plan, seed=seed, algo=algo, detach=detach))
-        for key, value in wiring.items():
-            if isinstance(value, dict):
-                cfg[key] = {**(cfg.get(key) or {}), **value}
-            else:
-                cfg[key] = value
-        if service == "trainer" and algo and algo != cfg.get("algo"):
-            cfg["algo"] = algo
-            cfg.pop("algo_overrides", None)  # they were chosen for the profile's preset
-        return cfg
+    def launcher_defaults(self, service: str, *, detach: bool = False) -> dict:
+        """The stack's own defaults for a service (a section that sets one keeps its value)."""
+        defaults: dict = {"metrics_port": self.ports[service] + 1000 if detach else 0}
+        if self.nats_mode == "cluster":
+            defaults["nats_replicas"] = 3
+        return defaults
 
     def service_wiring(self, service: str, model_path: pathlib.Path) -> dict:
         """What the launcher sets in a service's config and the file may not: the stack's NATS, addresses and
@@ -327,41 +314,6 @@ class Stack:
             wiring["gateway"] = {"port": self.ports["gateway"]}
             wiring["engine"] = {"model_path": str(model_path)}
         return wiring
-
-    def service_defaults(self, service: str, plan: dict, *, seed: int, algo: str = "", detach: bool = False) -> dict:
-        """The launcher's defaults for a service's section (each stands only where the file leaves it unset)."""
-        builder = plan["services"]["builder"]
-        defaults: dict = {"metrics_port": self.ports[service] + 1000 if detach else 0}
-        if self.nats_mode == "cluster":
-            defaults["nats_replicas"] = 3
-        device = {}
-        if service in ("rollout", "trainer") and "device" in plan:  # the run config's top-level device
-            from services.common.device import check_device
-
-            device = {"device": check_device(plan["device"])}
-        if service == "rollout":
-            defaults["engine"] = {"seed": seed, "dtype": run_dtype(plan), **device}
-        if service == "trainer":
-            defaults.update(dtype=run_dtype(plan), **device,
-                            max_new_tokens=(builder.get("sampling") or {}).get("max_new_tokens", 8),
-                            total_steps=builder.get("total_steps", 0))
-        if service in ("builder", "trainer"):
-            defaults["seed"] = seed
-        if service == "builder" and plan.get("dataset"):  # the run config's top-level dataset section
-            defaults["dataset"] = plan["dataset"]
-        if service == "builder" and builder.get("dynamic_sampling") is None:
-            defaults["dynamic_sampling"] = self._dynamic_sampling(plan, algo)
-        return defaults
-
-    @staticmethod
-    def _dynamic_sampling(plan: dict, algo: str) -> bool:
-        """The builder filters and refills for the trainer's dynamic sampling (its preset's setting)."""
-        from services.trainer.algorithms.presets import dynamic_sampling  # imports torch: only when starting
-
-        trainer = plan.get("services", {}).get("trainer") or {}
-        preset = algo or trainer.get("algo", "grpo")
-        overrides = (trainer.get("algo_overrides") or {}) if preset == trainer.get("algo", "grpo") else {}
-        return dynamic_sampling(preset, overrides)
 
     def _spawner(self, service: str, config_file: pathlib.Path, *, detach: bool, name: str = ""):
         """Starts the service; every restart gets the same config file, ports and (appended) log file. `name`: the
@@ -467,27 +419,6 @@ def health_check(address: str, service: str = "") -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def load_plan(config: str) -> dict:
-    """A run config (relative paths: from the working directory, else the repository). Dataset files named
-    relative to the working directory are made absolute (the services run in the repository)."""
-    path = pathlib.Path(config).expanduser()
-    if not path.is_absolute() and not path.exists():
-        path = ROOT / path
-    if not path.is_file():
-        raise ValueError(f"config: no such file {config!r}")
-    plan = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(plan, dict):
-        raise ValueError(f"config: {config} is not a mapping of settings")
-    plan.setdefault("services", {}).setdefault("builder", {})
-    dataset = plan.get("dataset")
-    if isinstance(dataset, dict):
-        for key in ("train", "eval"):
-            value = dataset.get(key)
-            if isinstance(value, str) and value and not os.path.isabs(value) and os.path.exists(value):
-                dataset[key] = os.path.abspath(value)
-    return plan
-
-
 def run(config: str, *, name: str, seed: int = 0, algo: str = "", ports: dict[str, int] | None = None,
         runs_root: pathlib.Path | None = None, progress: bool = True, on_healthy=None,
         nats_mode: str = "single", before_stop=None, on_started=None) -> dict:
@@ -500,36 +431,37 @@ def run(config: str, *, name: str, seed: int = 0, algo: str = "", ports: dict[st
     SIGINT / SIGTERM (with `launcher.shutdown.SHUTDOWN` handling them, as the CLI does): the stack stops within
     its budget, summary.json says "interrupted", and `Interrupted` is raised on after saying where the run is.
     """
-    plan = load_plan(config)
-    model_path = resolve_model(plan.get("model", "tiny-qwen3"), seed)
-    run_dtype(plan)
+    run_config = RunConfig.load(config, root=ROOT)
+    run_config.derive(seed=seed, algo=algo)  # a mistake in the file stops here, before the old run's folder goes
+    model_path = resolve_model(run_config.model, seed)
     run_dir = (runs_root or ROOT / "runs") / name
     if run_dir.exists():
         import shutil
 
         shutil.rmtree(run_dir)
     stack = Stack(run_dir, ports or random_ports(), nats_mode=nats_mode)
+    plan = stack.derive(run_config, seed=seed, model_path=model_path, algo=algo)
+    print(plan.describe(), file=sys.stderr, flush=True)
     events = EventLog(run_dir / "metrics.jsonl")
     started = time.time()
     summary: dict = {"completed": False}
     agents: AgentDriver | None = None
     SHUTDOWN.results = str(run_dir)
     try:
-        stack.start(plan, seed=seed, model_path=model_path, algo=algo)
+        stack.start(plan.files())
         if on_started is not None:
             on_started(stack)
-        stack.wait_healthy(float(plan.get("startup_timeout_seconds", 300)))  # a real model loads slowly
+        stack.wait_healthy(run_config.startup_timeout_seconds)  # a real model loads slowly
         if on_healthy is not None:
             on_healthy(stack, events)
-        if plan.get("agents"):
-            agents = AgentDriver(plan["agents"], plan.get("agent_args", []), log_path=run_dir / "logs" / "agents.log",
+        if run_config.agents:
+            agents = AgentDriver(run_config.agents, run_config.agent_args, log_path=run_dir / "logs" / "agents.log",
                                  gateway_url=f"http://127.0.0.1:{stack.ports['gateway']}")
             agents.start()
-        total = int(plan["services"]["builder"].get("total_steps", 0))
-        completed = asyncio.run(watch_run(stack, events, total_steps=total, timeout=float(plan.get("timeout_seconds", 900)),
-                                          progress=progress))
-        summary = write_report(stack, events, run_dir, plan=plan, seed=seed, algo=algo or plan["services"].get(
-            "trainer", {}).get("algo", "grpo"), wall_seconds=time.time() - started, completed=completed)
+        completed = asyncio.run(watch_run(stack, events, total_steps=plan.total_steps,
+                                          timeout=run_config.timeout_seconds, progress=progress))
+        summary = write_report(stack, events, run_dir, eta=plan.eta, agents=bool(run_config.agents), seed=seed,
+                               algo=plan.trainer.algo, wall_seconds=time.time() - started, completed=completed)
         if before_stop is not None:
             before_stop(stack, summary)
     finally:
@@ -573,12 +505,15 @@ def up(config: str | None = None, *, seed: int = 0, algo: str = "", nats_mode: s
         raise SystemExit(f"--nats: must be one of {', '.join(NATS_MODES)}, got {nats_mode!r}")
     if STATE_FILE.exists():
         raise SystemExit(f"a stack is already up ({STATE_FILE}); run `make down` first")
-    plan = up_plan(load_plan(config or UP_CONFIG), force=config is None)
-    model_path = resolve_model(plan.get("model", "tiny-qwen3"), seed)
-    run_dtype(plan)
+    run_config = RunConfig.load(config or UP_CONFIG, root=ROOT).unbounded(force=config is None)
+    run_config.derive(seed=seed, algo=algo)  # a mistake in the file stops here
+    model_path = resolve_model(run_config.model, seed)
     run_dir = ROOT / "runs" / "up"
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    spec = {"plan": plan, "seed": seed, "algo": algo, "model_path": str(model_path), "nats_mode": nats_mode,
+    plan = Stack(run_dir, DEFAULT_PORTS, nats_mode=nats_mode).derive(run_config, seed=seed, model_path=model_path,
+                                                                      algo=algo, detach=True)
+    print(plan.describe(), file=sys.stderr, flush=True)
+    spec = {"configs": plan.files(), "nats_mode": nats_mode,
             "ports": DEFAULT_PORTS, "run_dir": str(run_dir)}
     write_state(STATE_FILE, {"status": "starting", "spec": spec})
     launcher_log = run_dir / "logs" / "launcher.log"
@@ -629,8 +564,7 @@ def supervise(state_path: pathlib.Path) -> int:
         with SHUTDOWN.handling():
             try:
                 save("starting")
-                stack.start(spec["plan"], seed=spec["seed"], model_path=pathlib.Path(spec["model_path"]),
-                            algo=spec["algo"], detach=True)
+                stack.start(spec["configs"], detach=True)
                 save("running")
                 last = None
                 while True:  # until a signal (Interrupted)

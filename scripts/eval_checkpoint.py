@@ -23,18 +23,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from launcher.stack import load_plan, resolve_model  # noqa: E402
+from launcher.runconfig import RunConfig  # noqa: E402
+from launcher.stack import resolve_model  # noqa: E402
 from services.builder.config import BuilderConfig  # noqa: E402
-from services.common.config import load_config  # noqa: E402
 from services.reward.verifiers import build_verifier  # noqa: E402
 
 
-def builder_config(plan: dict, seed: int) -> BuilderConfig:
-    overrides = dict(plan["services"]["builder"])
-    if plan.get("dataset"):
-        overrides.setdefault("dataset", plan["dataset"])
-    overrides["seed"] = seed
-    return load_config(BuilderConfig, "builder", env={}, overrides=overrides)
+def builder_config(run: RunConfig, seed: int) -> BuilderConfig:
+    """The builder's config as `meshrl run` derives it from the same file (its held-out split, its seed)."""
+    return run.derive(seed=seed).builder
 
 
 @torch.no_grad()
@@ -54,9 +51,9 @@ def generate(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int,
     return out
 
 
-def evaluate(model_dir: str, plan: dict, *, seed: int = 0, limit: int = 0, batch: int = 32,
+def evaluate(model_dir: str, run: RunConfig, *, seed: int = 0, limit: int = 0, batch: int = 32,
              dtype: str = "float32", show: int = 0, temperature: float = 0.0) -> dict:
-    config = builder_config(plan, seed)
+    config = builder_config(run, seed)
     data = config.dataset.build(seed=config.seed, train_size=1, eval_size=config.eval_size)
     tasks = data.eval[:limit] if limit else data.eval
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -95,9 +92,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    plan = load_plan(args.config)
-    model = args.model or str(resolve_model(plan.get("model", "tiny-qwen3"), args.seed))
-    print(json.dumps(evaluate(model, plan, seed=args.seed, limit=args.limit, batch=args.batch, dtype=args.dtype,
+    run = RunConfig.load(args.config, root=ROOT)
+    model = args.model or str(resolve_model(run.model, args.seed))
+    print(json.dumps(evaluate(model, run, seed=args.seed, limit=args.limit, batch=args.batch, dtype=args.dtype,
                               show=args.show, temperature=args.temperature)))
 
 

@@ -34,7 +34,7 @@ OUT = ROOT / "docs" / "configuration.md"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from launcher.preflight import CONFIG_CLASSES  # noqa: E402
+from launcher.runconfig import CONFIG_CLASSES  # noqa: E402
 
 INTRO = """\
 # Configuration reference
@@ -67,20 +67,37 @@ end of this page.
 RUN_CONFIG = """\
 ## The run config
 
-The launcher's own keys, at the top of a run config (`launcher/stack.py`, `launcher/__main__.py`):
+A run config is one typed object, `RunConfig` (`launcher/runconfig.py`); an unknown key anywhere in it, at the
+top, in `dataset` or in a service's section, stops the launcher naming its path (`datset: unknown key`,
+`services.trainer.optim.lrr: unknown key`). Its own keys:
 
 | key | meaning |
 |---|---|
 | `model` | the model every service uses (rollout engine, trainer, the builder's and reward's tokenizers): a built-in name (`tiny-qwen3`, `tiny-qwen3-chat`, `tiny-qwen3-tools`, built locally once per seed) or a Hugging Face model directory (config, safetensors, tokenizer) |
 | `dtype` | `float32` (default) or `bfloat16`: the rollout engine's weights and the trainer's compute |
 | `device` | `cpu` (default), `cuda`, `npu`, or `cuda:N` / `npu:N`: where the rollout engine and the trainer run (their own `device` wins); `npu` needs `torch_npu` |
-| `dataset` | the builder's `dataset` section ([`builder.dataset`](#builderdataset)); `services.builder.dataset` wins when both are set |
-| `timeout_seconds` | the run stops (incomplete) after this long |
+| `dataset` | the builder's `dataset` section ([`builder.dataset`](#builderdataset)); set it here or there, not both |
+| `timeout_seconds` | the run stops (incomplete) after this long (default 900) |
+| `startup_timeout_seconds` | until every service serves (default 300; a real model loads slowly) |
 | `agents`, `agent_args` | example agents from `examples/agents/` the launcher starts against the gateway |
 | `services` | one section per service: the tables above |
 
-The launcher also derives: the trainer's `total_steps` and `max_new_tokens` from the builder's `total_steps` and
-`sampling.max_new_tokens` (unless set), and the builder's `dynamic_sampling` from the trainer's algorithm.
+`RunConfig.derive` (what `meshrl run`, `up` and `chaos`, the report, `scripts/eval_checkpoint.py` and the
+benchmarks all use) owns what ties the services together, once:
+
+- the trainer's `total_steps`, `max_new_tokens` and `temperature` are the builder's `total_steps`,
+  `sampling.max_new_tokens` and `sampling.temperature`; a trainer section that sets one differently is refused;
+- the builder's `dynamic_sampling` is the trainer's algorithm's (unless the builder section sets it);
+- `dtype`, `device` and the run's `--seed` reach the engine and the trainer (and the seed the builder) where
+  their sections leave them unset;
+- a Hugging Face model directory gets pretrained-safe trainer settings where the file leaves them unset:
+  `optim.lr` 1e-6, `optim.grad_clip` 1.0, `optim.warmup_updates` 0 (TRL's and verl's defaults; the table's
+  defaults are the built-in tiny models');
+- addresses, ports, `run_dir`, `model_path`, credentials and `wx_address` are the stack's: a file that sets one
+  is refused naming it.
+
+`meshrl run` prints the effective settings it derived in one line before it starts, and writes every setting of
+every service to `runs/<name>/config/<service>.yaml`.
 """
 
 # (section title, env prefix, config class path) in the page's order; the classes are the launcher's preflight table

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -101,18 +102,63 @@ def _merge(dst: dict[str, Any], src: Mapping[str, Any]) -> None:
             dst[key] = dict(value) if isinstance(value, Mapping) else value
 
 
+def build_config(cls: type[T], values: Mapping[str, Any], where: str = "") -> T:
+    """`cls` from a mapping of settings; ConfigError naming the key path below `where` ("" at the top level)."""
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{where or 'config'}: expected a mapping, got {values!r}")
+    return _build(cls, values, where)
+
+
+def config_values(config: Any) -> dict[str, Any]:
+    """The settings of a config dataclass as plain data (what `build_config` takes back): every init field,
+    nested configs as mappings, tuples as lists."""
+    return {f.name: _plain(getattr(config, f.name)) for f in dataclasses.fields(config) if f.init}
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return config_values(value)
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _path(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
 def _build(cls: type[T], values: Mapping[str, Any], where: str) -> T:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs = {}
     for key, value in values.items():
         if key not in fields:
-            raise ConfigError(f"{where}.{key}: unknown key (known: {', '.join(sorted(fields))})")
-        kwargs[key] = _coerce(hints[key], value, f"{where}.{key}")
+            raise ConfigError(f"{_path(where, key)}: unknown key (known: {', '.join(sorted(fields))})")
+        kwargs[key] = _coerce(hints[key], value, _path(where, key))
     try:
         return cls(**kwargs)
+    except ConfigError:
+        raise
     except ValueError as exc:
-        raise ConfigError(f"{where}: {exc}") from exc
+        raise ConfigError(_within(where, str(exc))) from exc
+
+
+_FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
+
+
+def _within(where: str, message: str) -> str:
+    """A config's own check ("algo: unknown preset ...") named from the top: "services.trainer.algo: ..."."""
+    if not where:
+        return message
+    field = _FIELD.match(message)
+    if not field:
+        return f"{where}: {message}"
+    last = where.rsplit(".", 1)[-1]
+    if message.startswith(f"{last}."):   # a nested config that names itself ("engine.dtype: ...")
+        message = message[len(last) + 1:]
+    return f"{where}.{message}"
 
 
 def _coerce(hint: Any, value: Any, where: str) -> Any:

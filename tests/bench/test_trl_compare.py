@@ -38,7 +38,7 @@ def tiny_tokenizer_dir(tmp_path):
 def test_export_is_the_builders_train_order_and_eval_split(tiny_tokenizer_dir):
     model_dir, tokenizer = tiny_tokenizer_dir
     plan = job_plan("tiny", 3)
-    builder = plan["services"]["builder"]
+    builder = plan.services.builder
     rows = export_rows(plan, seed=0, model_dir=model_dir)
     train = [r for r in rows if r["split"] == "train"]
     evals = [r for r in rows if r["split"] == "eval"]
@@ -83,7 +83,7 @@ def test_trl_settings_are_the_run_configs():
         (8, 0.0005, [0.9, 0.99], "linear", 10)
     assert (s["eps_clip"], s["loss_type"], s["dtype"], s["temperature"]) == (0.2, "dapo", "float32", 1.0)
     s = trl_settings(job_plan("smollm2", 0), seed=0, model_dir="m", data="d", out="o", grad_ckpt=False, threads=0)
-    builder = job_plan("smollm2", 0)["services"]["builder"]  # the config's own batch, not a copy of it here
+    builder = job_plan("smollm2", 0).services.builder  # the config's own batch, not a copy of it here
     assert (s["steps"], s["batch_size"], s["group_size"], s["minibatches"], s["max_new_tokens"]) == \
         (4, builder["batch_size"], builder["group_size"], 1, builder["sampling"]["max_new_tokens"])
     assert (s["batch_size"], s["group_size"]) == (6, 8)
@@ -91,7 +91,7 @@ def test_trl_settings_are_the_run_configs():
 
 def test_settings_refuse_what_trl_cannot_match():
     plan = job_plan("tiny", 3)
-    plan["services"]["trainer"] = {"algo": "rloo"}
+    plan = plan.replace(trainer={"algo": "rloo"})
     with pytest.raises(ValueError, match="GRPO-like"):
         trl_settings(plan, seed=0, model_dir="m", data="d", out="o", grad_ckpt=True, threads=0)
     with pytest.raises(ValueError, match="--job"):
@@ -125,7 +125,8 @@ def test_the_meshrl_variant_without_dynamic_sampling_turns_it_off_in_builder_and
     assert dynamic_sampling(plan)  # the tiny job's GRPO refills filtered groups
     off = without_dynamic_sampling(plan)
     assert not dynamic_sampling(off) and dynamic_sampling(plan), "the job's own plan is left as it was"
-    assert off["services"]["trainer"]["algo_overrides"]["dynamic_sampling"] is False
+    derived = off.derive(seed=0)
+    assert derived.trainer.algorithm_config().dynamic_sampling is False and derived.builder.dynamic_sampling is False
 
 
 def test_tree_rss_counts_this_process():

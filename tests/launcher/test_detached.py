@@ -14,7 +14,8 @@ import time
 import pytest
 
 import launcher.stack as stack_module
-from launcher.stack import ROOT, SERVICES, random_ports, read_state, write_state
+from launcher.runconfig import RunConfig
+from launcher.stack import ROOT, SERVICES, Stack, random_ports, read_state, write_state
 from launcher.supervisor import pid_alive
 
 # the supervise command with a dummy in place of `python -m services.<name>`
@@ -41,8 +42,10 @@ def _wait(predicate, timeout: float) -> None:
 
 def _start_supervisor(tmp_path, nats_mode: str = "single") -> tuple[subprocess.Popen, pathlib.Path]:
     state_file = tmp_path / ".stack" / "state.json"
-    spec = {"plan": {"services": {"builder": {}}}, "seed": 0, "algo": "", "model_path": str(tmp_path / "model"),
-            "nats_mode": nats_mode, "ports": random_ports(), "run_dir": str(tmp_path / "run")}
+    ports, run_dir = random_ports(), tmp_path / "run"
+    plan = Stack(run_dir, ports, nats_mode=nats_mode).derive(RunConfig.from_dict({}), seed=0,
+                                                             model_path=tmp_path / "model", detach=True)
+    spec = {"configs": plan.files(), "nats_mode": nats_mode, "ports": ports, "run_dir": str(run_dir)}
     write_state(state_file, {"status": "starting", "spec": spec})
     proc = subprocess.Popen([sys.executable, "-c", FAKE_SUPERVISE, str(state_file)], cwd=ROOT,
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

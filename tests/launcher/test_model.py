@@ -7,7 +7,8 @@ import pathlib
 
 import pytest
 
-from launcher.stack import SERVICES, Stack, random_ports, resolve_model, run_dtype
+from launcher.runconfig import RunConfig
+from launcher.stack import Stack, random_ports, resolve_model
 
 
 def model_dir(root: pathlib.Path, *files: str) -> pathlib.Path:
@@ -47,23 +48,24 @@ def test_neither_a_name_nor_a_directory_is_refused_naming_model(model):
 
 
 def test_dtype_defaults_to_float32_and_refuses_others():
-    assert run_dtype({}) == "float32"
-    assert run_dtype({"dtype": "bfloat16"}) == "bfloat16"
+    assert RunConfig.from_dict({}).dtype == "float32"
+    assert RunConfig.from_dict({"dtype": "bfloat16"}).dtype == "bfloat16"
     with pytest.raises(ValueError, match="^dtype: must be one of float32, bfloat16, got 'float16'"):
-        run_dtype({"dtype": "float16"})
+        RunConfig.from_dict({"dtype": "float16"})
 
 
 def test_every_service_that_loads_the_model_gets_the_same_path_and_the_dtype(tmp_path):
     stack = Stack(tmp_path / "run", random_ports(), secure=False)
     plan = {"dtype": "bfloat16", "services": {"builder": {"total_steps": 2}, "trainer": {}}}
     model = tmp_path / "hf-model"
-    cfg = {s: stack.service_config(s, plan, seed=3, model_path=model) for s in SERVICES}
-    assert cfg["rollout"]["engine"]["model_path"] == str(model)
-    assert {cfg[s]["model_path"] for s in ("builder", "reward", "trainer")} == {str(model)}
-    assert cfg["rollout"]["engine"]["dtype"] == cfg["trainer"]["dtype"] == "bfloat16"
+    cfg = stack.derive(RunConfig.from_dict(plan), seed=3, model_path=model).configs
+    assert cfg["rollout"].engine.model_path == str(model)
+    assert {cfg[s].model_path for s in ("builder", "reward", "trainer")} == {str(model)}
+    assert cfg["rollout"].engine.dtype == cfg["trainer"].dtype == "bfloat16"
     # a service's own setting wins over the run's
     plan["services"]["rollout"] = {"engine": {"dtype": "float32"}}
-    assert stack.service_config("rollout", plan, seed=3, model_path=model)["engine"]["dtype"] == "float32"
+    assert stack.derive(RunConfig.from_dict(plan), seed=3, model_path=model).configs["rollout"].engine.dtype == \
+        "float32"
 
 
 def test_the_engine_and_trainer_configs_refuse_an_unknown_dtype():
@@ -93,15 +95,15 @@ def test_bfloat16_engine_loads_bf16_weights_and_the_trainer_steps_under_autocast
 
 
 def test_a_config_and_its_dataset_files_are_read_from_the_working_directory(tmp_path, monkeypatch):
-    from launcher.stack import load_plan
+    from launcher.stack import ROOT
 
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "train.jsonl").write_text("{}\n")
     (tmp_path / "run.yaml").write_text("model: m\ndataset: {train: data/train.jsonl, eval: elsewhere.jsonl}\n")
     monkeypatch.chdir(tmp_path)
-    plan = load_plan("run.yaml")
-    assert plan["dataset"]["train"] == str(tmp_path / "data" / "train.jsonl")
-    assert plan["dataset"]["eval"] == "elsewhere.jsonl"   # not here: left to the builder (the repository)
-    assert load_plan("configs/e2e.yaml")["model"] == "tiny-qwen3"   # else from the repository
+    plan = RunConfig.load("run.yaml", root=ROOT)
+    assert plan.dataset["train"] == str(tmp_path / "data" / "train.jsonl")
+    assert plan.dataset["eval"] == "elsewhere.jsonl"   # not here: left to the builder (the repository)
+    assert RunConfig.load("configs/e2e.yaml", root=ROOT).model == "tiny-qwen3"   # else from the repository
     with pytest.raises(ValueError, match="^config: no such file"):
-        load_plan("missing.yaml")
+        RunConfig.load("missing.yaml", root=ROOT)

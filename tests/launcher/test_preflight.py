@@ -35,8 +35,8 @@ def builder_with(tmp_path, **dataset) -> pathlib.Path:
 @pytest.mark.parametrize("service,cfg,named", [
     ("builder", {"dataset": {"promt_field": "q"}}, "services.builder.dataset.promt_field: unknown key"),
     ("trainer", {"lr": 3}, "services.trainer.lr: unknown key"),
-    ("trainer", {"algo": "nope"}, "services.trainer: algo: unknown preset 'nope'"),
-    ("trainer", {"backend": "megatron"}, "services.trainer: backend: megatron is not a training backend yet"),
+    ("trainer", {"algo": "nope"}, "services.trainer.algo: unknown preset 'nope'"),
+    ("trainer", {"backend": "megatron"}, "services.trainer.backend: megatron is not a training backend yet"),
     ("rollout", {"engine": {"max_batch": "many"}}, "services.rollout.engine.max_batch"),
     ("reward", {"concurrency": "lots"}, "services.reward.concurrency: expected an integer"),
 ])

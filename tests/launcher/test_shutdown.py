@@ -13,6 +13,7 @@ import time
 import pytest
 
 from launcher.processes import _die_with_parent, popen
+from launcher.runconfig import RunConfig
 from launcher.shutdown import SERVICE_GRACE_S, Interrupted, Shutdown
 from launcher.stack import ROOT, SERVICES, Stack, random_ports
 from launcher.supervisor import Backoff, Supervisor, pid_alive
@@ -136,8 +137,8 @@ def test_a_child_the_supervisor_restarted_outlives_the_end_of_supervision(tmp_pa
 def test_stack_stop_gives_the_services_one_grace_period_together_then_sigkills(tmp_path):
     stack = Stack(tmp_path / "run", random_ports(), policy=Backoff(initial=0.2, cap=1.0))
     stack._spawner = lambda service, config_file, *, detach: lambda: popen([*STUBBORN, str(tmp_path / service)])
-    stack.start({"services": {"builder": {"total_steps": 3}, "trainer": {"algo": "grpo"}}}, seed=0,
-                model_path=tmp_path / "model")
+    plan = RunConfig.from_dict({"services": {"builder": {"total_steps": 3}, "trainer": {"algo": "grpo"}}})
+    stack.start(stack.derive(plan, seed=0, model_path=tmp_path / "model").files())
     _wait(lambda: all((tmp_path / s).exists() for s in SERVICES), 60)
     started = time.monotonic()
     codes = stack.stop(grace=2.0)

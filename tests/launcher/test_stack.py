@@ -18,6 +18,7 @@ from nats.js.api import StorageType
 
 from launcher.processes import NatsCluster
 from launcher.report import EventLog
+from launcher.runconfig import RunConfig
 from launcher.stack import SERVICES, Stack, random_ports
 from launcher.supervisor import Backoff
 from launcher.watch import watch_run
@@ -137,8 +138,8 @@ def test_stack_writes_configs_restarts_a_killed_service_and_stops_without_a_figh
         return spawn
 
     stack._spawner = fake_spawner
-    plan = {"services": {"builder": {"total_steps": 3}, "trainer": {"algo": "grpo"}}}
-    stack.start(plan, seed=1, model_path=tmp_path / "model")
+    plan = RunConfig.from_dict({"services": {"builder": {"total_steps": 3}, "trainer": {"algo": "grpo"}}})
+    stack.start(stack.derive(plan, seed=1, model_path=tmp_path / "model").files())
     try:
         for service in SERVICES:
             cfg = yaml.safe_load((tmp_path / "run" / "config" / f"{service}.yaml").read_text())
@@ -146,7 +147,7 @@ def test_stack_writes_configs_restarts_a_killed_service_and_stops_without_a_figh
             if nats_mode == "cluster":
                 assert len(cfg["nats_url"].split(",")) == 3 and cfg["nats_replicas"] == 3
             else:
-                assert "," not in cfg["nats_url"] and "nats_replicas" not in cfg
+                assert "," not in cfg["nats_url"] and cfg["nats_replicas"] == 1
         old = stack.pid("rollout")
         assert stack.kill("rollout") == "rollout"
         deadline = time.monotonic() + 5

@@ -13,6 +13,7 @@ import grpc
 import pytest
 import yaml
 
+from launcher.runconfig import RunConfig
 from launcher.stack import SERVICES, Stack, random_ports
 from services.common.auth import OPERATOR, server_security
 from services.common.config import ServiceConfig
@@ -123,7 +124,8 @@ def test_stack_gives_each_service_its_own_credentials_by_path_only(tmp_path):
         return lambda: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 
     stack._spawner = fake_spawner
-    stack.start({"services": {"builder": {"total_steps": 1}}}, seed=0, model_path=tmp_path / "model")
+    plan = RunConfig.from_dict({"services": {"builder": {"total_steps": 1}}})
+    stack.start(stack.derive(plan, seed=0, model_path=tmp_path / "model").files())
     try:
         secrets_dir = tmp_path / "run" / "secrets"
         values = [f.read_text().strip() for f in secrets_dir.iterdir() if f.suffix in (".token", ".password")]

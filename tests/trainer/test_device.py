@@ -50,15 +50,19 @@ def test_the_engine_on_cpu_moves_batches_and_trains(tmp_path):
 
 
 def test_the_launcher_passes_the_run_device_to_the_engine_and_the_trainer(tmp_path):
+    from launcher.runconfig import RunConfig
     from launcher.stack import Stack, random_ports
 
     stack = Stack(tmp_path / "run", random_ports(), secure=False)
+
+    def configs(plan: dict) -> dict:
+        return stack.derive(RunConfig.from_dict(plan), seed=0, model_path=tmp_path).configs
+
     plan = {"device": "cuda:1", "services": {"builder": {"total_steps": 2}, "trainer": {}}}
-    assert stack.service_config("rollout", plan, seed=0, model_path=tmp_path)["engine"]["device"] == "cuda:1"
-    assert stack.service_config("trainer", plan, seed=0, model_path=tmp_path)["device"] == "cuda:1"
+    assert configs(plan)["rollout"].engine.device == "cuda:1"
+    assert configs(plan)["trainer"].device == "cuda:1"
     plan["services"]["trainer"] = {"device": "cpu"}  # a service's own setting wins over the run's
-    assert stack.service_config("trainer", plan, seed=0, model_path=tmp_path)["device"] == "cpu"
-    assert "device" not in stack.service_config("builder", plan, seed=0, model_path=tmp_path)
-    assert "device" not in stack.service_config("trainer", {"services": {"builder": {}}}, seed=0, model_path=tmp_path)
+    assert configs(plan)["trainer"].device == "cpu"
+    assert configs({})["trainer"].device == "cpu" and configs({})["rollout"].engine.device == "cpu"  # the default
     with pytest.raises(ValueError, match="^device: "):
-        stack.service_config("trainer", {"device": "gpu", "services": {"builder": {}}}, seed=0, model_path=tmp_path)
+        RunConfig.from_dict({"device": "gpu"})

@@ -18,6 +18,8 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 
+from services.common.net import free_port
+
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 _CHILDREN: weakref.WeakSet[subprocess.Popen] = weakref.WeakSet()  # every process popen() started
@@ -104,12 +106,6 @@ def kill_children() -> list[int]:
                 pass
         killed.append(proc.pid)
     return killed
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def nats_server_binary() -> str:

@@ -12,6 +12,9 @@ from launcher.phases import phase_report
 from launcher.telemetry import Telemetry
 from services.common.contracts import builder_pb2_grpc, common_pb2, data_pb2, rollout_pb2_grpc, trainer_pb2_grpc
 
+# held-out accuracy this far (absolute) below the run's first evaluation: said in the progress line and the summary
+ACCURACY_DROP_WARNING = 0.15
+
 KIND = {data_pb2.VERSION_KIND_TRAINED: "trained", data_pb2.VERSION_KIND_DEPLOYED: "deployed",
         data_pb2.VERSION_KIND_CHECKPOINT: "checkpoint", data_pb2.VERSION_KIND_EVAL: "eval",
         data_pb2.VERSION_KIND_RUN_END: "run_end", data_pb2.VERSION_KIND_BUDGET: "budget"}
@@ -59,6 +62,16 @@ class EventLog:
     def last_accuracy_text(self) -> str:
         evals = self.of("eval")
         return f"{evals[-1]['accuracy']:.3f}" if evals else "-"
+
+    @property
+    def accuracy_warning(self) -> str:
+        """"" unless the latest held-out accuracy fell ACCURACY_DROP_WARNING or more below the first one (a
+        learning rate too high for the model is the usual cause)."""
+        evals = self.of("eval")
+        if len(evals) < 2 or evals[0]["accuracy"] - evals[-1]["accuracy"] < ACCURACY_DROP_WARNING:
+            return ""
+        return (f"held-out accuracy fell from {evals[0]['accuracy']:.3f} to {evals[-1]['accuracy']:.3f} by version "
+                f"{evals[-1]['version']}: the learning rate (services.trainer.optim.lr) may be too high for this model")
 
     @property
     def max_staleness(self) -> int:
@@ -135,6 +148,8 @@ def write_report(stack, events: EventLog, run_dir: pathlib.Path, *, eta: int, ag
         "final_checkpoint": next((c["checkpoint_path"] for c in reversed(events.of("checkpoint"))), None),
         "status": status,
     }
+    if events.accuracy_warning:
+        summary["warnings"] = [events.accuracy_warning]
     if agents:
         rewards = [r.get("reward_mean", 0.0) for r in trained]
         quarter = max(1, len(rewards) // 4)

@@ -92,7 +92,8 @@ class ProgressBar:
             return
         step = events.version
         status = (f"policy v{events.deployed} | reward {events.last_reward:.3f} | eval acc {events.last_accuracy_text}"
-                  f" | staleness max {events.max_staleness}{f' | restarts {restarts}' if restarts else ''}")
+                  f" | staleness max {events.max_staleness}{f' | restarts {restarts}' if restarts else ''}"
+                  f"{f' | warning: {events.accuracy_warning}' if events.accuracy_warning else ''}")
         if self._bar is not None:
             self._bar.set_postfix_str(status, refresh=False)
             self._bar.update(step - self._bar.n)  # events.version only grows

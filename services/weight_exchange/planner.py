@@ -21,9 +21,8 @@ from collections.abc import Sequence
 
 from services.weight_exchange.client.layout import ITEMSIZE, RECEIVER, SENDER, RankLayout, Shard
 from services.weight_exchange.client.regions import Region, grid, split
-from services.weight_exchange.client.transfer import Transfer
+from services.weight_exchange.client.transfer import DEFAULT_BUCKET_BYTES, Transfer
 
-DEFAULT_BUCKET_BYTES = 64 << 20
 log = logging.getLogger(__name__)
 
 

@@ -163,3 +163,22 @@ def test_progress_disabled_prints_nothing(tmp_path):
     bar.update(EventLog(tmp_path / "metrics.jsonl"), 1.0)
     bar.close()
     assert stream.getvalue() == ""
+
+
+def test_a_run_whose_held_out_accuracy_falls_far_below_its_start_says_so(tmp_path):
+    EVAL = data_pb2.VERSION_KIND_EVAL
+    stream = io.StringIO()
+    bar, events = ProgressBar(4, enabled=True, stream=stream), EventLog(tmp_path / "metrics.jsonl")
+    events.add(data_pb2.VersionEvent(version=0, kind=EVAL, metrics={"accuracy": 0.8125}))
+    events.add(data_pb2.VersionEvent(version=1, kind=TRAINED, metrics={"reward_mean": 0.5}))
+    events.add(data_pb2.VersionEvent(version=1, kind=EVAL, metrics={"accuracy": 0.75}))   # within the margin
+    bar.update(events, 1.0)
+    assert events.accuracy_warning == "" and "warning" not in stream.getvalue()
+    events.add(data_pb2.VersionEvent(version=2, kind=TRAINED, metrics={"reward_mean": 0.2}))
+    events.add(data_pb2.VersionEvent(version=2, kind=EVAL, metrics={"accuracy": 0.3125}))
+    bar.update(events, 2.0)
+    bar.close()
+    events.close()
+    last = stream.getvalue().splitlines()[-1]
+    assert "warning: held-out accuracy fell from 0.812 to 0.312 by version 2" in last
+    assert "services.trainer.optim.lr" in last

@@ -16,7 +16,7 @@ from services.trainer.planning.model import PlannedModel
 from services.weight_exchange.client.layouts.common import pad_to
 from services.weight_exchange.client.layouts.megatron import MegatronParallel
 from services.weight_exchange.client.layouts.topology import Side, megatron_parallel, parse_side
-from services.weight_exchange.planner import DEFAULT_BUCKET_BYTES
+from services.weight_exchange.client.transfer import DEFAULT_BUCKET_BYTES
 
 BACKENDS = ("torch", "fsdp2", "megatron")
 DEVICES = ("cpu", "cuda", "npu")

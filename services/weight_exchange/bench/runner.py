@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from launcher.processes import free_port
 from services.common.contracts import common_pb2
 from services.common.contracts import weight_exchange_pb2 as wx_pb2
 from services.common.contracts import weight_exchange_pb2_grpc as wx_grpc
+from services.common.net import free_port
 from services.common.rpc import channel
 from services.weight_exchange.bench.rank import MARK
 from services.weight_exchange.client.layouts.model import model_spec

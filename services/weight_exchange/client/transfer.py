@@ -8,6 +8,10 @@ from services.common.contracts import weight_exchange_pb2 as wx_pb2
 from services.weight_exchange.client.layout import region_from_proto, region_to_proto
 from services.weight_exchange.client.regions import Region
 
+# The planner's default bucket: the receiver stages at most this much of one link at a time (the trainer's memory
+# plan counts two of them on an accelerator)
+DEFAULT_BUCKET_BYTES = 64 << 20
+
 
 @dataclasses.dataclass(frozen=True)
 class Transfer:

@@ -70,6 +70,7 @@ proto: setup
 
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 bench-weights: setup
 	$(MESHRL) bench weights

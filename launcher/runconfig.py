@@ -181,7 +181,7 @@ class RunConfig:
                     values[service][key] = value
         if sections["builder"].get("dynamic_sampling") is None:
             values["builder"]["dynamic_sampling"] = self._dynamic_sampling(values["trainer"])
-        configs = {"builder": build_config(config_class("builder"), values["builder"], "services.builder")}
+        configs: dict[str, Any] = {"builder": build_config(config_class("builder"), values["builder"], "services.builder")}
         builder = config_values(configs["builder"])
         derived["builder.dynamic_sampling"] = builder["dynamic_sampling"]
         for (owner, owner_key), (follower, key) in ONE_SOURCE:
@@ -267,11 +267,12 @@ class RunPlan:
 
 
 def _get(values: dict[str, Any], path: str) -> Any:
+    found: Any = values
     for key in path.split("."):
-        if not isinstance(values, dict):
+        if not isinstance(found, dict):
             return None
-        values = values.get(key)
-    return values
+        found = found.get(key)
+    return found
 
 
 def _set(values: dict[str, Any], path: str, value: Any) -> None:

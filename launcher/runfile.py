@@ -56,7 +56,7 @@ def check_wiring(service: str, section: dict | None, keys: list[str]) -> None:
 
 
 # `make up` (an unbounded stack in the background, with the agent gateway): its defaults for the run file
-UP_DEFAULTS = {"builder": {"total_steps": 0},                        # unbounded
+UP_DEFAULTS: dict[str, dict] = {"builder": {"total_steps": 0},                        # unbounded
                "trainer": {"optim": {"schedule": "constant"}},       # an unbounded run has no end to decay to
                "rollout": {"gateway_enabled": True,
                            "engine": {"max_context": 2048}}}         # agent prompts with tools are long

@@ -174,6 +174,7 @@ def own_token(config) -> str:
 
 def server_security(config) -> ServerSecurity:
     """The server side of a ServiceConfig: the peers' token table (or the one shared token), TLS, reflection."""
+    tokens: TokenTable | None
     if config.auth_peers_file:
         tokens = TokenTable.load(config.auth_peers_file)
     else:

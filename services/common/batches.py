@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 
 import nats.js.errors
@@ -177,7 +178,7 @@ async def prune_blobs(bus: Bus, below: int) -> int:
     for name in names:
         index = blob_index(name)
         if index is not None and index < below:
-            await retry(lambda name=name: store.delete(name), what=f"delete {name}")
+            await retry(functools.partial(store.delete, name), what=f"delete {name}")
             gone += 1
     return gone
 

@@ -234,10 +234,10 @@ class Bus:
             try:
                 await self._declare_stream(config)
             except nats.js.errors.APIError as exc:
-                raise self.storage_refused(exc, f"stream {spec.name}", config.max_bytes) from exc
+                raise self.storage_refused(exc, f"stream {spec.name}", config.max_bytes or -1) from exc
         for durable in CONSUMERS if consumers is None else consumers:
-            spec = CONSUMERS[durable]
-            await self.js.add_consumer(spec.stream, self._consumer_config(spec))
+            consumer = CONSUMERS[durable]
+            await self.js.add_consumer(consumer.stream, self._consumer_config(consumer))
 
     async def _declare_stream(self, config: StreamConfig) -> None:
         try:
@@ -265,7 +265,8 @@ class Bus:
         if getattr(exc, "err_code", None) != NO_STORAGE:
             return exc
         return ValueError(
-            f"nats_max_bytes: the JetStream server cannot reserve {asked} bytes for {what} ({exc.description}); "
+            f"nats_max_bytes: the JetStream server cannot reserve {asked} bytes for {what} "
+            f"({getattr(exc, 'description', exc)}); "
             f"lower nats_max_bytes (now {self.max_bytes}, split between the capped streams and buckets) or raise "
             "the server's jetstream max_file_store")
 

@@ -130,6 +130,7 @@ def _path(where: str, key: str) -> str:
 
 
 def _build(cls: type[T], values: Mapping[str, Any], where: str) -> T:
+    assert dataclasses.is_dataclass(cls), cls
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs = {}
@@ -163,7 +164,7 @@ def _within(where: str, message: str) -> str:
 
 def _coerce(hint: Any, value: Any, where: str) -> Any:
     origin = typing.get_origin(hint)
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
         return _build(hint, value, where)

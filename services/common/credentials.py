@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     creds = RunCredentials.ensure(args.directory)
-    written = {}
+    written: dict[str, object] = {}
     if args.nats_include:
         write_nats_include(creds, args.nats_include)
         written["nats_include"] = str(args.nats_include)

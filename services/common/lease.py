@@ -31,6 +31,7 @@ import time
 import nats.errors
 import nats.js.errors
 from nats.js.api import KeyValueConfig
+from nats.js.kv import KeyValue
 
 from services.common.bus import TRANSIENT, Bus, retry
 from services.common.config import check_lease_seconds
@@ -60,7 +61,7 @@ check_ttl = check_lease_seconds
 
 @dataclasses.dataclass
 class Lease:
-    kv: object
+    kv: KeyValue
     service: str
     holder: str
     ttl: float

@@ -67,6 +67,7 @@ def supervise(tasks: list[asyncio.Task], stop: asyncio.Event) -> None:
         if task.cancelled() or task.exception() is None:
             return
         exc = task.exception()
+        assert exc is not None
         get_logger().error("task_crashed", task=task.get_name(), error=repr(exc),
                            exc_info=(type(exc), exc, exc.__traceback__))
         global EXIT_CODE

@@ -40,6 +40,7 @@ from services.common.ids import now
 from services.common.lease import acquire
 from services.common.logging import get_logger
 from services.common.rpc import Servicer, start_server
+from services.common.sampling import temperature_mismatch
 from services.common.service import supervise
 from services.common.steps import check_step_rewards
 
@@ -229,6 +230,9 @@ class Builder:
         if traj.split == "eval":
             await self._record_eval(traj, msg)
             return
+        mismatch = temperature_mismatch(traj, self.config.sampling.temperature)
+        if mismatch:
+            raise InvalidMessage(mismatch)
         if traj.group_id in self.consumed_groups:
             await msg.ack()  # a redelivery of a group already batched or dropped
             return

@@ -13,6 +13,7 @@ import torch
 
 from services.common.contracts import data_pb2
 from services.common.logging import get_logger
+from services.common.sampling import temperature_mismatch
 from services.common.staleness import staleness
 from services.common.steps import check_step_rewards
 
@@ -63,9 +64,16 @@ def finite_reward_groups(trajectories: list[data_pb2.Trajectory]) -> tuple[list[
     return [t for t in trajectories if t.group_id not in bad], bad
 
 
-def pack(trajectories: list[data_pb2.Trajectory], pad_token_id: int) -> PackedBatch:
+def pack(trajectories: list[data_pb2.Trajectory], pad_token_id: int, *,
+         temperature: float | None = None) -> PackedBatch:
+    """The batch as tensors; ValueError naming the field for one the trainer cannot train on (`temperature`: the
+    one it computes log-probs at; a trajectory sampled at another is refused, see services.common.sampling)."""
     if not trajectories:
         raise ValueError("trajectories: empty batch")
+    if temperature is not None:
+        mismatch = next(filter(None, (temperature_mismatch(t, temperature) for t in trajectories)), "")
+        if mismatch:
+            raise ValueError(mismatch)
     trajectories, rejected = finite_reward_groups(trajectories)
     if not trajectories:
         raise ValueError(f"{next(iter(rejected.values()))}; every group of the batch has a non-finite reward "

@@ -137,7 +137,7 @@ class Trainer:
             return
         started = now()
         try:
-            packed = pack(list(batch.trajectories), self.engine.pad_token_id)
+            packed = pack(list(batch.trajectories), self.engine.pad_token_id, temperature=self.config.temperature)
             self.engine.check_token_ids(packed)
         except ValueError as exc:
             await self.skip(batch.index, str(exc))

@@ -15,6 +15,7 @@ import yaml
 
 from launcher.stack import ROOT, random_ports, run
 from services.common.contracts import data_pb2, rollout_pb2, rollout_pb2_grpc
+from services.common.cpu_features import native_bf16
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1800)]
 MODEL = ROOT / "artifacts" / "models" / "smollm2-135m-instruct"
@@ -68,7 +69,18 @@ def test_smollm2_runs_two_steps_through_every_service(tmp_path, smollm2):
     assert model.config.tie_word_embeddings and model.lm_head.weight.data_ptr() == \
         model.get_input_embeddings().weight.data_ptr()
     assert set(found["versions"]) == {2}, "the engine generates with the final policy"
-    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=6, do_sample=False,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    expected = out[0, len(prompt_ids):].tolist()
-    assert found["tokens"] == expected[:len(found["tokens"])], (found["tokens"], expected)
+    if native_bf16():   # the engine's oneDNN bf16 linears and transformers' bf16 compute agree token for token
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=6, do_sample=False,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        expected = out[0, len(prompt_ids):].tolist()
+        assert found["tokens"] == expected[:len(found["tokens"])], (found["tokens"], expected)
+        return
+    # Without native bf16 the engine multiplies the bf16 weights in float32 and transformers' bf16 matmuls round
+    # differently, so a near tie may go either way: each token the engine chose is, under the final weights
+    # computed in float32, the greedy one or within a small margin of it.
+    with torch.no_grad():
+        ids = torch.tensor([prompt_ids + found["tokens"]])
+        logp = model.float()(ids).logits[0, len(prompt_ids) - 1:-1].log_softmax(-1)
+    chosen = logp[torch.arange(len(found["tokens"])), torch.tensor(found["tokens"])]
+    gap = (logp.max(-1).values - chosen).max().item()
+    assert gap < 0.5, (found["tokens"], logp.argmax(-1).tolist(), gap)

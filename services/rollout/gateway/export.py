@@ -18,6 +18,7 @@ import msgpack
 
 from services.common.contracts import data_pb2
 from services.common.ids import now
+from services.common.sampling import path_sampling
 from services.rollout.gateway.session import Interaction, Session, discounted_returns
 
 
@@ -108,7 +109,8 @@ def _trajectory(session: Session, traj_id: str, path: list[Interaction], prompt_
         prompt_ids=prompt_ids, completion_ids=completion_ids, behavior_logprobs=logprobs, versions=versions,
         loss_mask=mask, reward=reward, scored=True, finish_reason=_finish(path[-1].finish_reason),
         created_at=path[0].created_at, generated_at=path[-1].finished_at, scored_at=now(), source="gateway",
-        metadata=msgpack.packb(meta, use_bin_type=True), split="train", verifier="agent")
+        metadata=msgpack.packb(meta, use_bin_type=True), split="train", verifier="agent",
+        sampling=path_sampling([i.sampling for i in path]))
 
 
 def _finish(reason: str) -> str:

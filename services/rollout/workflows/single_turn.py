@@ -63,13 +63,15 @@ def validate_work(work: data_pb2.PromptWork, engine: Any = None) -> Sampling:
 def to_trajectories(work: data_pb2.PromptWork, seqs: list[Sequence]) -> list[data_pb2.Trajectory]:
     """One trajectory per sample; ids derive from the work id so a redelivered work republishes the same ids."""
     finished = now()
+    sampled = data_pb2.SamplingParams(temperature=work.sampling.temperature, top_p=work.sampling.top_p,
+                                      top_k=work.sampling.top_k, max_new_tokens=work.sampling.max_new_tokens)
     return [
         data_pb2.Trajectory(
             trajectory_id=f"{work.work_id}-{i}", group_id=work.group_id, task_id=work.task_id, work_id=work.work_id,
             group_size=work.group_size, prompt_ids=work.prompt_ids, completion_ids=seq.output_ids,
             behavior_logprobs=seq.logprobs, versions=seq.versions, loss_mask=[1] * len(seq.output_ids),
             finish_reason=seq.finish_reason, created_at=work.issued_at, generated_at=finished,
-            source="workflow", metadata=work.metadata, split=work.split,
+            source="workflow", metadata=work.metadata, split=work.split, sampling=sampled,
         )
         for i, seq in enumerate(seqs)
     ]

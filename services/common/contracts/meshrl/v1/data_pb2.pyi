@@ -74,7 +74,7 @@ class PromptWork(_message.Message):
     def __init__(self, work_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., issued_version: _Optional[int] = ..., issued_at: _Optional[float] = ..., metadata: _Optional[bytes] = ..., split: _Optional[str] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("trajectory_id", "group_id", "task_id", "work_id", "group_size", "prompt_ids", "completion_ids", "behavior_logprobs", "versions", "loss_mask", "reward", "scored", "finish_reason", "created_at", "generated_at", "scored_at", "source", "metadata", "split", "verifier", "step_rewards")
+    __slots__ = ("trajectory_id", "group_id", "task_id", "work_id", "group_size", "prompt_ids", "completion_ids", "behavior_logprobs", "versions", "loss_mask", "reward", "scored", "finish_reason", "created_at", "generated_at", "scored_at", "source", "metadata", "split", "verifier", "step_rewards", "sampling")
     TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class Trajectory(_message.Message):
     SPLIT_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_FIELD_NUMBER: _ClassVar[int]
     STEP_REWARDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     trajectory_id: str
     group_id: str
     task_id: str
@@ -117,7 +118,8 @@ class Trajectory(_message.Message):
     split: str
     verifier: str
     step_rewards: _containers.RepeatedCompositeFieldContainer[StepReward]
-    def __init__(self, trajectory_id: _Optional[str] = ..., group_id: _Optional[str] = ..., task_id: _Optional[str] = ..., work_id: _Optional[str] = ..., group_size: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., completion_ids: _Optional[_Iterable[int]] = ..., behavior_logprobs: _Optional[_Iterable[float]] = ..., versions: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., scored: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., created_at: _Optional[float] = ..., generated_at: _Optional[float] = ..., scored_at: _Optional[float] = ..., source: _Optional[str] = ..., metadata: _Optional[bytes] = ..., split: _Optional[str] = ..., verifier: _Optional[str] = ..., step_rewards: _Optional[_Iterable[_Union[StepReward, _Mapping]]] = ...) -> None: ...
+    sampling: SamplingParams
+    def __init__(self, trajectory_id: _Optional[str] = ..., group_id: _Optional[str] = ..., task_id: _Optional[str] = ..., work_id: _Optional[str] = ..., group_size: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., completion_ids: _Optional[_Iterable[int]] = ..., behavior_logprobs: _Optional[_Iterable[float]] = ..., versions: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., scored: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., created_at: _Optional[float] = ..., generated_at: _Optional[float] = ..., scored_at: _Optional[float] = ..., source: _Optional[str] = ..., metadata: _Optional[bytes] = ..., split: _Optional[str] = ..., verifier: _Optional[str] = ..., step_rewards: _Optional[_Iterable[_Union[StepReward, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class StepReward(_message.Message):
     __slots__ = ("end", "reward")

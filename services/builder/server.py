@@ -13,6 +13,7 @@ import msgpack
 import prometheus_client
 from transformers import AutoTokenizer
 
+from services.builder.accounting import recount
 from services.builder.admission import OnlineBudget, StalenessBudget
 from services.builder.config import BuilderConfig
 from services.builder.datasets import shuffled_epochs
@@ -501,32 +502,22 @@ class Builder:
         await wait_either(caught_up, stop)
         ledger = await self.ledger.load()
         batches = merge_batches(ledger.batches, await published_batches(self.bus)).values()
-        # the index after the highest published, never a count: BATCHES loses its oldest under its limits
-        self.batches_published = max((b.index for b in batches), default=-1) + 1
-        self.consumed_groups = {g for b in batches for g in b.group_ids} | set(ledger.dropped)
-        batched = sum(len(b.group_ids) for b in batches)
-        self.received = sum(b.trajectories for b in batches) + sum(d.trajectories for d in ledger.dropped.values())
-        filtered = [d for d in ledger.dropped.values() if d.reason == NO_VARIANCE]
-        self.dropped_stale = sum(d.trajectories for d in ledger.dropped.values()) - sum(d.trajectories for d in filtered)
-        self.groups_dropped = len(ledger.dropped) - len(filtered)
-        dropped_workflow = sum(1 for d in ledger.dropped.values() if d.source == "workflow")
+        counts = recount(ledger, batches)
+        self.batches_published, self.consumed_groups = counts.batches_published, set(counts.consumed_groups)
+        self.received, self.dropped_stale, self.groups_dropped = counts.received, counts.dropped_stale, \
+            counts.groups_dropped
         if self.online is None:
-            self.issued = ledger.issued
-            self.budget.accepted = batched
-            self.budget.dropped = dropped_workflow
-            self.budget.filtered, self.budget.refills = len(filtered), min(ledger.refills, len(filtered))
-            self.budget.in_flight = max(0, self.issued - batched - dropped_workflow)
+            self.issued = counts.issued
+            counts.restore(self.budget)
             restarted = time.monotonic()  # their clocks start again: the deadline counts from this recovery
-            self.in_flight_since = {f"g-{n}": restarted for n in range(self.issued)
-                                    if f"g-{n}" not in self.consumed_groups}
+            self.in_flight_since = dict.fromkeys(counts.open_groups(), restarted)
             self.train = itertools.islice(self.train, max(0, self.issued - 1), None)
             last = next(self.train) if self.issued else None
             if last is not None and f"g-{self.issued - 1}" not in self.consumed_groups:
                 # counted before its publish, which may not have happened: again (deduplicated if it did)
                 await self._publish_work(self._train_work(last, self.issued - 1, self.budget.version))
         else:
-            self.online.released = len(ledger.dropped) - dropped_workflow
-            self.online.arrived = batched + len(ledger.dropped)
+            counts.restore_online(self.online)
         for r in sorted(ledger.evals.values(), key=lambda r: r.round_id):
             rnd = self.evals.restore(r.round_id, r.version, r.expected, final=r.final)
             self.eval_since[r.round_id] = time.monotonic()

@@ -40,9 +40,6 @@ from services.rollout.engines.base import (
     MAX_SAMPLES,
     Engine,
     EngineUnhealthy,
-    engine_name,
-    num_running,
-    num_waiting,
 )
 from services.rollout.engines.sequence import Sampling
 from services.rollout.workflows.single_turn import sampling_from_proto, to_trajectories, validate_work
@@ -136,19 +133,16 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def Status(self, request, context):
         e = self.r.engine
         return rollout_pb2.RolloutStatus(
-            policy_version=e.version, paused=self._paused_by_rpc or e.paused, running_sequences=num_running(e),
-            waiting_sequences=num_waiting(e), trajectories_published=self.r.published,
+            policy_version=e.version, paused=self._paused_by_rpc or e.paused, running_sequences=e.num_running(),
+            waiting_sequences=e.num_waiting(), trajectories_published=self.r.published,
             tokens_generated=e.stats.tokens_generated, weight_updates=e.stats.weight_updates,
-            interrupted_sequences=e.stats.interrupted_sequences, engine=engine_name(e),
+            interrupted_sequences=e.stats.interrupted_sequences, engine=e.kind,
             dead_letters=self.r.dead_letters.counts)
 
 
 async def serve(config: RolloutConfig, stop: asyncio.Event) -> None:
-    engine = build_engine(config)
-    if engine_name(engine) == "embedded":
-        engine.start()
-    else:  # a vLLM server takes minutes to start: the event loop stays free meanwhile
-        await asyncio.to_thread(engine.start)
+    engine = config.engine.build(run_dir=config.run_dir)
+    await asyncio.to_thread(engine.start)  # a server engine takes minutes to start: the event loop stays free
     bus = await Bus.connect(config.nats_url, name=config.rank_id, replicas=config.nats_replicas,
                             max_bytes=config.nats_max_bytes, **nats_credentials(config))
     rollout = Rollout(config, engine, bus)
@@ -166,8 +160,8 @@ async def serve(config: RolloutConfig, stop: asyncio.Event) -> None:
                                          concurrency=config.concurrency, gate=rollout.pull_gate)),
              asyncio.create_task(rollout.dead_letters.run(stop), name="dead-letter-counts")]
     tasks.append(asyncio.create_task(watch_health(rollout, rpc, stop), name="engine-health"))
-    if hasattr(engine, "watch"):  # a vLLM server: its death takes the service down (the supervisor restarts both)
-        tasks.append(asyncio.create_task(engine.watch(stop), name="engine-watch"))
+    # a server engine's death takes the service down (the supervisor restarts both)
+    tasks.append(asyncio.create_task(engine.watch(stop), name="engine-watch"))
     if config.gateway_enabled:
         tasks.append(asyncio.create_task(_serve_gateway(config, engine, bus, stop), name="gateway"))
     if receiver is not None:
@@ -176,7 +170,7 @@ async def serve(config: RolloutConfig, stop: asyncio.Event) -> None:
                                          name="wx-catch-up"))
     supervise(tasks, stop)
     await stop.wait()
-    rollout.log.info("stopping", running=num_running(engine))
+    rollout.log.info("stopping", running=engine.num_running())
     rollout.pull_gate.set()
     await asyncio.wait(tasks, timeout=30)
     engine.stop()  # aborts what is left; those handlers nak their work
@@ -195,13 +189,6 @@ async def watch_health(rollout: Rollout, rpc, stop: asyncio.Event, every: float 
         rollout.hold("engine")
         await rpc.set_serving(False)
         rollout.log.error("rollout_not_serving", reason=f"the engine is unhealthy: {rollout.engine.failure}")
-
-
-def build_engine(config: RolloutConfig) -> Engine:
-    """The engine that `engine.kind` names (a plain EngineConfig: the embedded engine)."""
-    if getattr(config.engine, "kind", "embedded") == "embedded":
-        return config.engine.build()
-    return config.engine.build(run_dir=config.run_dir)
 
 
 class PauseClock:

@@ -96,12 +96,12 @@ def test_a_bad_config_names_the_field(field, value):
 
 def test_the_engine_kind_builds_an_sglang_engine(tiny_qwen3):
     from services.rollout.config import RolloutEngineConfig
-    from services.rollout.engines.base import Engine, engine_name
+    from services.rollout.engines.base import Engine
     from services.rollout.engines.sglang_engine import SGLangConfig
 
     engine = RolloutEngineConfig(kind="sglang", model_path=str(tiny_qwen3), max_context=256,
                                  sglang=SGLangConfig(url="http://127.0.0.1:1")).build()
-    assert isinstance(engine, Engine) and engine_name(engine) == "sglang" and engine.vocab_size == 264
+    assert isinstance(engine, Engine) and engine.kind == "sglang" and engine.vocab_size == 264
     with pytest.raises(ValueError, match="engine.kind"):
         RolloutEngineConfig(kind="sglang-rs")
     with pytest.raises(ValueError, match="engine.dtype"):

@@ -46,13 +46,13 @@ except RuntimeError as exc:
 
 
 def test_the_engine_satisfies_the_protocol_and_keeps_vllm_checks(tiny_qwen3):
-    from services.rollout.engines.base import Engine, engine_name
+    from services.rollout.engines.base import Engine
     from services.rollout.engines.vllm_ascend_engine import VLLMAscendEngine, build_vllm_ascend
     from services.rollout.engines.vllm_engine import VLLMConfig
 
     config = VLLMConfig(url="http://127.0.0.1:1", weight_updates=False)
     engine = build_vllm_ascend(config, device="npu", model_path=str(tiny_qwen3), max_batch=4, max_context=256)
-    assert isinstance(engine, VLLMAscendEngine) and isinstance(engine, Engine) and engine_name(engine) == "vllm_ascend"
+    assert isinstance(engine, VLLMAscendEngine) and isinstance(engine, Engine) and engine.kind == "vllm_ascend"
     with pytest.raises(ValueError, match="engine.dtype"):
         build_vllm_ascend(config, device="npu", model_path=str(tiny_qwen3), max_batch=4, max_context=256,
                           dtype="int4")

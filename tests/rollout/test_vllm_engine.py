@@ -45,7 +45,7 @@ def server_test(fn):
 def test_both_engines_satisfy_the_engine_protocol():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from services.rollout.engines.base import Engine, engine_name, num_running, num_waiting
+    from services.rollout.engines.base import Engine
     from services.rollout.engines.torch_engine import EmbeddedEngine
     from services.rollout.engines.vllm_engine import VLLMConfig
 
@@ -53,12 +53,12 @@ def test_both_engines_satisfy_the_engine_protocol():
                                          num_attention_heads=2, num_key_value_heads=1, head_dim=16)).eval()
     embedded = EmbeddedEngine(model, eos_token_id=1, pad_token_id=0, max_batch=4, max_context=64, seed=0)
     assert isinstance(embedded, Engine)
-    assert (engine_name(embedded), num_running(embedded), num_waiting(embedded)) == ("embedded", 0, 0)
+    assert (embedded.kind, embedded.num_running(), embedded.num_waiting()) == ("embedded", 0, 0)
     if not _NO_MODEL:
         vllm = VLLMConfig(url="http://127.0.0.1:1", weight_updates=False).build(
             model_path=str(MODEL), max_batch=4, max_context=256)
         assert isinstance(vllm, Engine)
-        assert (engine_name(vllm), num_running(vllm), num_waiting(vllm)) == ("vllm", 0, 0)
+        assert (vllm.kind, vllm.num_running(), vllm.num_waiting()) == ("vllm", 0, 0)
 
 
 def test_engine_kind_and_vllm_settings_are_checked():

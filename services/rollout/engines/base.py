@@ -9,6 +9,7 @@ tokens is recomputed under the new weights), while earlier tokens keep theirs.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
@@ -39,6 +40,7 @@ class EngineUnhealthy(RuntimeError):
 
 @runtime_checkable
 class Engine(Protocol):
+    kind: str               # "embedded", "vllm", "vllm_ascend", "sglang" (the Status RPC's `engine`)
     version: int            # the policy version of the weights loaded now (tags every token generated from now on)
     stats: EngineStats      # counters the Status RPC and the pause clock read
     vocab_size: int | None
@@ -51,8 +53,17 @@ class Engine(Protocol):
     def max_context(self) -> int: ...       # prompt + output tokens of one sequence, at most
 
     # lifecycle
-    def start(self) -> None: ...
+    def start(self) -> None: ...            # may block for minutes (a server engine starts its server): run it off
+                                            # the event loop
     def stop(self) -> None: ...             # every unfinished sequence ends with finish_reason "abort"
+
+    async def watch(self, stop: asyncio.Event) -> None:
+        """Until `stop`: raises when what the engine runs on dies (a server engine's process), so the service goes
+        down with it; returns at once when there is nothing outside the process to watch (the embedded engine)."""
+
+    # load, for the Status RPC
+    def num_running(self) -> int: ...       # sequences being generated now
+    def num_waiting(self) -> int: ...       # admitted, not being generated (queued, or cut by a pause)
 
     # requests
     def check(self, prompt_ids: list[int], sampling: Sampling, n: int = 1) -> None:
@@ -78,24 +89,6 @@ class Engine(Protocol):
         new weights take effect at `resume_async(version)`."""
 
 
-# counts for the Status RPC: an engine may have `num_running()` / `num_waiting()` (the vLLM engine); the embedded
-# engine's scheduler tells them otherwise
-
-def num_running(engine: Any) -> int:
-    """Sequences being generated now."""
-    fn = getattr(engine, "num_running", None)
-    return fn() if fn is not None else len(engine.scheduler.running)
-
-
-def num_waiting(engine: Any) -> int:
-    """Sequences admitted but not being generated (queued, or cut by a pause and waiting for the resume)."""
-    fn = getattr(engine, "num_waiting", None)
-    return fn() if fn is not None else engine.scheduler.num_waiting
-
-
-def engine_name(engine: Any) -> str:
-    """"embedded" or "vllm" (the Status RPC's `engine`)."""
-    return getattr(engine, "kind", "embedded")
 
 
 def check_request(prompt_ids: list[int], sampling: Sampling, n: int, *, max_context: int,

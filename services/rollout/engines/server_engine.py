@@ -2,13 +2,25 @@
 share.
 
 `ServerEngine` starts the server as a subprocess (or attaches to one by URL), watches its health and stops it; it
-keeps one `_Live` record per sequence and drives each sequence as a series of requests, sent only while the gate is
+keeps one `LiveRequest` record per sequence and drives each sequence as a series of requests, sent only while the gate is
 open (not paused) and tagged with the version loaded when sent. A sequence a pause cuts short waits at the gate and
 is sent again after the resume for the tokens it still lacks.
 
-A subclass fills in the server's specifics: `name` (the config section and the log events' prefix), `server_name`
-(for messages), `weights_off` (the setting that turned weight updates off), `_send` (one request for the rest of a
-sequence), `_outcome` (what its finish reason means), `_pause_server` / `_resume_server` and `_send_weights`.
+The extension interface (what vLLM, vLLM-Ascend and SGLang implement; a new server engine does the same):
+
+- must set `kind`, `name` (the config section and the log events' prefix), `server_name` (for messages),
+  `weights_off` (the setting that turned weight updates off);
+- must start its server (or attach to one by URL) when built, and implement `_send(seq, live, max_tokens,
+  version)` (one request for the rest of a sequence: the finish reason), `_pause_server` / `_resume_server` and
+  `_send_weights(version)`;
+- may override `_outcome` (what a finish reason means), `_ping` / `_startup_ping_timeout` (health),
+  `_tell_server_aborted` (an abort the server must hear of), `_close_weight_channel`, `_count_interrupted`,
+  `_undo_failed_pause` and `_control_timeout`.
+
+The hooks keep their leading underscore because the rollout service never calls them: it sees the `Engine`
+protocol only. Inheritance rather than composition because every hook runs inside the base's one request loop and
+gate, which a subclass must not reimplement. The helpers a subclass uses are public: `LiveRequest`,
+`RequestRefused`, `http_get`, `read_json`, `engine_args`.
 """
 
 from __future__ import annotations
@@ -20,7 +32,6 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -91,7 +102,7 @@ class ServerEngine:
         self.log_path = ""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._client: httpx.AsyncClient | None = None
-        self._live: dict[Sequence, _Live] = {}
+        self._live: dict[Sequence, LiveRequest] = {}
         self._gate: asyncio.Event | None = None       # set while requests may be sent
         self._idle: asyncio.Event | None = None       # set while no request is in flight
         self._control: asyncio.Lock | None = None     # one pause / resume at a time
@@ -137,7 +148,7 @@ class ServerEngine:
 
     def _ping(self, timeout: float) -> None:
         """GET /health; raises when the server does not answer it."""
-        _get(self.url + "/health", timeout)
+        http_get(self.url + "/health", timeout)
 
     def _startup_ping_timeout(self) -> float:
         return 5.0
@@ -260,7 +271,7 @@ class ServerEngine:
             raise RuntimeError("engine stopped")
         self._bind_loop()
         seq = Sequence(prompt_ids=list(prompt_ids), sampling=sampling, on_finish=on_finish, priority=priority)
-        live = _Live()
+        live = LiveRequest()
         self._live[seq] = live
         live.driver = self._loop.create_task(self._drive(seq, live), name=f"{self.name}-seq-{seq.seq_id}")
         return seq
@@ -285,7 +296,7 @@ class ServerEngine:
                     task.cancel()
         self._finish(seq, "abort")
 
-    def _tell_server_aborted(self, live: _Live) -> None:
+    def _tell_server_aborted(self, live: LiveRequest) -> None:
         """Called (on the loop) when the caller aborts a sequence, before its request is cancelled."""
 
     async def generate(self, prompt_ids: list[int], sampling: Sampling, n: int = 1) -> list[Sequence]:
@@ -419,7 +430,7 @@ class ServerEngine:
             return response.json()
         return None
 
-    async def _drive(self, seq: Sequence, live: _Live) -> None:
+    async def _drive(self, seq: Sequence, live: LiveRequest) -> None:
         """Send `seq` (again after each interruption) until it finishes."""
         try:
             while seq.status is not Status.FINISHED:
@@ -473,14 +484,14 @@ class ServerEngine:
             if seq.status is Status.FINISHED:
                 self._live.pop(seq, None)
 
-    async def _send(self, seq: Sequence, live: _Live, max_tokens: int, version: int) -> str:
+    async def _send(self, seq: Sequence, live: LiveRequest, max_tokens: int, version: int) -> str:
         """One request for the rest of `seq` (at most `max_tokens`), its tokens tagged `version`; its finish reason."""
         raise NotImplementedError
 
     def _own_fault(self, error: BaseException) -> bool:
-        return isinstance(error, _RequestRefused) and 400 <= error.status < 500
+        return isinstance(error, RequestRefused) and 400 <= error.status < 500
 
-    def _outcome(self, reason: str, live: _Live) -> str | None:
+    def _outcome(self, reason: str, live: LiveRequest) -> str | None:
         """How a sequence whose request ended with `reason` finishes; None: a pause ended it, send it again."""
         raise NotImplementedError
 
@@ -496,14 +507,14 @@ class ServerEngine:
             seq.on_finish(seq)
 
 
-class _RequestRefused(RuntimeError):
+class RequestRefused(RuntimeError):
     def __init__(self, status: int, text: str) -> None:
         super().__init__(f"HTTP {status}: {text}")
         self.status = status
 
 
 @dataclasses.dataclass(eq=False)
-class _Live:
+class LiveRequest:
     driver: asyncio.Task | None = None
     attempt: asyncio.Future | None = None
     aborted: bool = False        # the caller aborted it: never resent
@@ -523,20 +534,20 @@ def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
         return False
 
 
-def _get(url: str, timeout: float) -> str:
+def http_get(url: str, timeout: float) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - the engine's own server
         return response.read().decode()
 
 
 def _eos_ids(model: pathlib.Path, config: dict) -> tuple[int, ...]:
     ids: list[int] = []
-    for source in (config, _read_json(model / "generation_config.json")):
+    for source in (config, read_json(model / "generation_config.json")):
         value = source.get("eos_token_id")
         ids.extend(value if isinstance(value, list) else [value] if isinstance(value, int) else [])
     return tuple(dict.fromkeys(ids))
 
 
-def _read_json(path: pathlib.Path) -> dict:
+def read_json(path: pathlib.Path) -> dict:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -552,7 +563,3 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

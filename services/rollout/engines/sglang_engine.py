@@ -46,13 +46,13 @@ import uuid
 
 import httpx
 
+from services.common.net import free_port
 from services.rollout.engines.sequence import Sequence, Status
 from services.rollout.engines.server_engine import (
+    LiveRequest,
+    RequestRefused,
     ServerEngine,
     ServerStats,
-    _free_port,
-    _Live,
-    _RequestRefused,
     engine_args,
 )
 
@@ -162,7 +162,7 @@ class SGLangEngine(ServerEngine):
 
     def _launch(self) -> None:
         c = self.config
-        port = c.port or _free_port(c.host)
+        port = c.port or free_port(c.host)
         python = self._server_python(c.python or sys.executable)
         args = [str(python), "-m", "sglang.launch_server", "--model-path", self.model_path, "--host", c.host,
                 "--port", str(port), "--dtype", self.dtype, "--context-length", str(self._max_context),
@@ -195,7 +195,7 @@ class SGLangEngine(ServerEngine):
 
         c = self.config
         tp = int(self.server_info.get("tp_size") or 1) * int(self.server_info.get("pp_size") or 1)
-        port = c.group_port or _free_port(c.group_address)
+        port = c.group_port or free_port(c.group_address)
         body = {"master_address": c.group_address, "master_port": port, "rank_offset": 1, "world_size": tp + 1,
                 "group_name": GROUP_NAME, "backend": c.group_backend}
         reply: dict = {}
@@ -221,7 +221,7 @@ class SGLangEngine(ServerEngine):
             close_group(self.group)
             self.group = None
 
-    def _tell_server_aborted(self, live: _Live) -> None:
+    def _tell_server_aborted(self, live: LiveRequest) -> None:
         if live.rid and self._client is not None:  # frees the server's slot; the reply no longer matters
             self._loop.create_task(self._tell_abort(live.rid))
 
@@ -297,7 +297,7 @@ class SGLangEngine(ServerEngine):
         return httpx.Timeout(timeout, connect=self.config.connect_timeout)
 
     # one sequence -----------------------------------------------------------------------------------------------
-    async def _send(self, seq: Sequence, live: _Live, max_tokens: int, version: int) -> str:
+    async def _send(self, seq: Sequence, live: LiveRequest, max_tokens: int, version: int) -> str:
         """One /generate for the rest of `seq`; appends what it returns; returns the finish reason type."""
         s = seq.sampling
         live.rid = f"meshrl-{seq.seq_id}-{uuid.uuid4().hex[:8]}"
@@ -309,7 +309,7 @@ class SGLangEngine(ServerEngine):
         self.stats.requests += 1
         response = await self._client.post("/generate", json=body)
         if response.status_code != 200:
-            raise _RequestRefused(response.status_code, response.text[:500])
+            raise RequestRefused(response.status_code, response.text[:500])
         ids, logprobs, reason = parse_generate_reply(response.json())
         self.stats.steps += 1
         if ids and not live.aborted and seq.status is not Status.FINISHED:
@@ -322,9 +322,9 @@ class SGLangEngine(ServerEngine):
         return reason
 
     def _own_fault(self, error: BaseException) -> bool:
-        return isinstance(error, _RequestRefused | _Malformed) and getattr(error, "status", 400) < 500
+        return isinstance(error, RequestRefused | _Malformed) and getattr(error, "status", 400) < 500
 
-    def _outcome(self, reason: str, live: _Live) -> str | None:
+    def _outcome(self, reason: str, live: LiveRequest) -> str | None:
         if reason == "abort" and not live.aborted and not self._gate.is_set():
             return None  # /pause_generation ended it: its tokens are kept, the rest is asked for after resume
         return reason if reason in ("stop", "length", "abort") else "error"

@@ -77,6 +77,8 @@ class EngineConfig:
 
 
 class EmbeddedEngine:
+    kind = "embedded"
+
     def __init__(self, model: PreTrainedModel, *, eos_token_id: int, pad_token_id: int, max_batch: int,
                  max_context: int, seed: int, version: int = 0, prepack: bool = True,
                  torch_threads: int = 1) -> None:
@@ -98,6 +100,15 @@ class EmbeddedEngine:
     # lifecycle ---------------------------------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
+
+    async def watch(self, stop: asyncio.Event) -> None:
+        """Nothing outside this process to watch: the engine's own failures show as `failure`."""
+
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
 
     def stop(self) -> None:
         with self._cv:

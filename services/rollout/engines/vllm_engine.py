@@ -38,16 +38,16 @@ import uuid
 
 import torch
 
+from services.common.net import free_port
 from services.rollout.engines.sequence import Sampling, Sequence, Status
 from services.rollout.engines.server_engine import (
+    LiveRequest,
+    RequestRefused,
     ServerEngine,
     ServerStats,
-    _free_port,
-    _get,
-    _Live,
-    _read_json,
-    _RequestRefused,
     engine_args,
+    http_get,
+    read_json,
 )
 
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
@@ -114,7 +114,7 @@ class Stage:
         files = sorted(model.glob("*.safetensors"))
         if not files:
             raise ValueError(f"engine.model_path: no *.safetensors in {model_path!r}")
-        tied = bool(_read_json(model / "config.json").get("tie_word_embeddings", False))
+        tied = bool(read_json(model / "config.json").get("tie_word_embeddings", False))
         entries: list[tuple[str, tuple[int, ...], pathlib.Path]] = []
         for f in files:
             with safe_open(str(f), framework="pt") as st:
@@ -182,14 +182,14 @@ class VLLMEngine(ServerEngine):
         if not self.url:
             self._launch()
         self._wait_healthy()
-        models = json.loads(_get(self.url + "/v1/models", 30.0))
+        models = json.loads(http_get(self.url + "/v1/models", 30.0))
         self.served_model = models["data"][0]["id"]
         self.log.info("vllm_ready", url=self.url, model=self.served_model, version=self.version,
                       started=self.process is not None)
 
     def _launch(self) -> None:
         c = self.config
-        port = c.port or _free_port(c.host)
+        port = c.port or free_port(c.host)
         python = self._server_python(c.python, " (build it: bash scripts/vllm_venv.sh)")
         args = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path,
                 "--host", c.host, "--port", str(port), "--dtype", self.dtype,
@@ -223,7 +223,7 @@ class VLLMEngine(ServerEngine):
         return {"result": (reply or {}).get("results")}
 
     # one sequence -----------------------------------------------------------------------------------------------
-    async def _send(self, seq: Sequence, live: _Live, max_tokens: int, version: int) -> str:
+    async def _send(self, seq: Sequence, live: LiveRequest, max_tokens: int, version: int) -> str:
         """One streamed request for the rest of `seq`; returns vLLM's finish reason ("" if the stream ended early)."""
         s = seq.sampling
         body = {"token_ids": seq.context, "stream": True, "model": self.served_model, "output_mode": "tokens",
@@ -235,7 +235,7 @@ class VLLMEngine(ServerEngine):
         async with self._client.stream("POST", "/inference/v1/generate", json=body) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")[:500]
-                raise _RequestRefused(response.status_code, text)
+                raise RequestRefused(response.status_code, text)
             async for line in response.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -260,7 +260,7 @@ class VLLMEngine(ServerEngine):
                         return choice["finish_reason"]
         return ""
 
-    def _outcome(self, reason: str, live: _Live) -> str | None:
+    def _outcome(self, reason: str, live: LiveRequest) -> str | None:
         if reason == "abort" and (live.interrupted or not self._gate.is_set()):
             return None  # vLLM aborted it for the pause before our cancel landed
         if not reason:

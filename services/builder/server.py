@@ -21,7 +21,6 @@ from services.builder.evaluation import EvalRound, EvalTracker
 from services.builder.grouping import Group, GroupAssembler, assemble_batch, check_rewards, reward_varies
 from services.builder.ledger import NO_VARIANCE, Batched, Dropped, IssuedEval, Ledger, merge_batches
 from services.builder.tasks import make_work
-from services.common.auth import nats_credentials, server_security
 from services.common.batches import BatchConflict, prune_blobs, publish_batch, published_batches
 from services.common.bus import (
     CONSUMERS,
@@ -38,9 +37,9 @@ from services.common.bus import (
 from services.common.contracts import builder_pb2, builder_pb2_grpc, common_pb2, data_pb2
 from services.common.deadletters import DeadLetterWatch
 from services.common.ids import now
-from services.common.lease import acquire
 from services.common.logging import get_logger
-from services.common.rpc import Servicer, start_server
+from services.common.rpc import Servicer
+from services.common.runtime import ServiceRuntime
 from services.common.sampling import temperature_mismatch
 from services.common.service import supervise
 from services.common.steps import check_step_rewards
@@ -666,22 +665,16 @@ class BuilderServicer(builder_pb2_grpc.BuilderServiceServicer):
 async def serve(config: BuilderConfig, stop: asyncio.Event) -> None:
     tokenizer = AutoTokenizer.from_pretrained(config.model_path)
     encode = config.dataset.encoder(tokenizer)
-    bus = await Bus.connect(config.nats_url, name="builder", replicas=config.nats_replicas,
-                            max_bytes=config.nats_max_bytes, **nats_credentials(config))
-    # a second builder waits here, as a standby, until the active one's lease is released or lapses
-    lease = await acquire(bus, "builder", ttl=config.lease_seconds, stop=stop)
-    if lease is None:
-        await bus.close()
-        return
-    builder = Builder(config, bus, encode, [tokenizer.eos_token_id])
-    rpc = await start_server(config.grpc_address, [Servicer(
-        builder_pb2_grpc.add_BuilderServiceServicer_to_server, BuilderServicer(builder),
-        builder_pb2.DESCRIPTOR.services_by_name["BuilderService"].full_name)], security=server_security(config))
-    get_logger().info("serving", grpc_port=rpc.port, batch_size=config.batch_size, eta=config.max_staleness)
-    tasks = [*builder.start(stop), asyncio.create_task(lease.hold(stop), name="lease")]
-    supervise(tasks, stop)
-    await stop.wait()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    await rpc.stop()
-    await lease.release()  # only if still ours (revision check): the standby takes over at once
-    await bus.close()
+    async with ServiceRuntime(config, stop) as runtime:
+        bus = await runtime.connect_bus("builder")
+        # a second builder waits here, as a standby, until the active one's lease is released or lapses
+        if await runtime.hold_lease(bus, "builder") is None:
+            return
+        builder = Builder(config, bus, encode, [tokenizer.eos_token_id])
+        rpc = await runtime.serve_grpc([Servicer(
+            builder_pb2_grpc.add_BuilderServiceServicer_to_server, BuilderServicer(builder),
+            builder_pb2.DESCRIPTOR.services_by_name["BuilderService"].full_name)])
+        get_logger().info("serving", grpc_port=rpc.port, batch_size=config.batch_size, eta=config.max_staleness)
+        for task in builder.start(stop):
+            runtime.adopt(task)
+        await runtime.until_stopped()

@@ -7,12 +7,12 @@ import asyncio
 import prometheus_client
 from transformers import AutoTokenizer
 
-from services.common.auth import nats_credentials, server_security
 from services.common.bus import SUBJECT_TRAJ_SCORED, Bus, consume, decoder
 from services.common.contracts import data_pb2, reward_pb2, reward_pb2_grpc
 from services.common.deadletters import DeadLetterWatch
 from services.common.logging import get_logger
-from services.common.rpc import Servicer, invalid_argument, start_server
+from services.common.rpc import Servicer, invalid_argument
+from services.common.runtime import ServiceRuntime
 from services.reward import sandbox
 from services.reward.config import RewardConfig
 from services.reward.scoring import Scorer, decode_metadata
@@ -53,13 +53,18 @@ async def serve(config: RewardConfig, stop: asyncio.Event) -> None:
     build_verifier(config.default_verifier, "default_verifier")  # a misspelt default stops start-up
     sandbox.configure(config.sandbox)  # code verifiers check bwrap when first built, never run unsandboxed
     judge.configure(config.judge)  # llm_judge's endpoint; reads the API key now (a missing key file stops start-up)
-    pool = config.verifier_pool.build()
+    async with ServiceRuntime(config, stop) as runtime:
+        pool = config.verifier_pool.build()
+        runtime.on_close(pool.close)   # after the bus: no trajectory is being scored any more
+        bus = await runtime.connect_bus("reward")
+        await _serve(config, tokenizer, pool, bus, runtime)
+
+
+async def _serve(config: RewardConfig, tokenizer, pool, bus: Bus, runtime: ServiceRuntime) -> None:
     scorer = Scorer(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), config.default_verifier,
                     timeout_s=config.verifier_pool.timeout_s, pool=pool,
                     count_tokens=lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
     stats = {"scored": 0.0, "reward_sum": 0.0}
-    bus = await Bus.connect(config.nats_url, name="reward", replicas=config.nats_replicas,
-                            max_bytes=config.nats_max_bytes, **nats_credentials(config))
 
     async def handle(traj: data_pb2.Trajectory) -> None:
         scored = await scorer.score_async(traj)
@@ -71,13 +76,9 @@ async def serve(config: RewardConfig, stop: asyncio.Event) -> None:
 
     dead_letters = DeadLetterWatch(bus)
     servicer = RewardServicer(scorer, stats, dead_letters)
-    rpc = await start_server(config.grpc_address, [Servicer(
+    rpc = await runtime.serve_grpc([Servicer(
         reward_pb2_grpc.add_RewardServiceServicer_to_server, servicer,
-        reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name)], security=server_security(config))
+        reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name)])
     get_logger().info("serving", grpc_port=rpc.port)
-    watch = asyncio.create_task(dead_letters.run(stop))
-    await consume(bus, "reward", decoder(data_pb2.Trajectory), handle, stop, concurrency=config.concurrency)
-    await watch
-    await rpc.stop()
-    await bus.close()
-    pool.close()
+    runtime.spawn(dead_letters.run(runtime.stop), "dead-letter-counts")
+    await consume(bus, "reward", decoder(data_pb2.Trajectory), handle, runtime.stop, concurrency=config.concurrency)

@@ -11,7 +11,7 @@ import time
 import grpc
 import prometheus_client
 
-from services.common.auth import client_security, nats_credentials, server_security
+from services.common.auth import client_security
 from services.common.bus import (
     SUBJECT_PROMPTS,
     SUBJECT_TRAJ_RAW,
@@ -32,8 +32,8 @@ from services.common.rpc import (
     Servicer,
     bound_address,
     invalid_argument,
-    start_server,
 )
+from services.common.runtime import ServiceRuntime
 from services.common.service import supervise
 from services.rollout.config import RolloutConfig
 from services.rollout.engines.base import (
@@ -143,40 +143,38 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 async def serve(config: RolloutConfig, stop: asyncio.Event) -> None:
     engine = config.engine.build(run_dir=config.run_dir)
     await asyncio.to_thread(engine.start)  # a server engine takes minutes to start: the event loop stays free
-    bus = await Bus.connect(config.nats_url, name=config.rank_id, replicas=config.nats_replicas,
-                            max_bytes=config.nats_max_bytes, **nats_credentials(config))
-    rollout = Rollout(config, engine, bus)
-    servicers = [Servicer(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, RolloutServicer(rollout),
-                          rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name)]
-    receiver = _weight_receiver(config, engine)
-    if receiver is not None:
-        servicers.append(receiver.servicer())
-        rollout.hold("weights")  # until the weights are known to be the trainer's, not stale ones (a restart)
-    rpc = await start_server(config.grpc_address, servicers, security=server_security(config),
-                             max_receive_bytes=LARGE_MAX_RECEIVE if receiver is not None else DEFAULT_MAX_RECEIVE)
-    address = bound_address(config.grpc_address, rpc.port)
-    rollout.log.info("serving", grpc=address, subject=SUBJECT_PROMPTS, version=engine.version)
-    tasks = [asyncio.create_task(consume(bus, "rollout", decoder(data_pb2.PromptWork), rollout.handle_work, stop,
-                                         concurrency=config.concurrency, gate=rollout.pull_gate)),
-             asyncio.create_task(rollout.dead_letters.run(stop), name="dead-letter-counts")]
-    tasks.append(asyncio.create_task(watch_health(rollout, rpc, stop), name="engine-health"))
-    # a server engine's death takes the service down (the supervisor restarts both)
-    tasks.append(asyncio.create_task(engine.watch(stop), name="engine-watch"))
-    if config.gateway_enabled:
-        tasks.append(asyncio.create_task(_serve_gateway(config, engine, bus, stop), name="gateway"))
-    if receiver is not None:
-        tasks.append(asyncio.create_task(receiver.keep_registered(stop, agent_address=address), name="wx-register"))
-        tasks.append(asyncio.create_task(open_when_current(rollout, receiver, config.catch_up_timeout, stop),
-                                         name="wx-catch-up"))
-    supervise(tasks, stop)
-    await stop.wait()
-    rollout.log.info("stopping", running=engine.num_running())
-    rollout.pull_gate.set()
-    await asyncio.wait(tasks, timeout=30)
-    engine.stop()  # aborts what is left; those handlers nak their work
-    await asyncio.gather(*tasks, return_exceptions=True)
-    await rpc.stop()
-    await bus.close()
+    async with ServiceRuntime(config, stop) as runtime:
+        runtime.when_drained(engine.stop)  # aborts what is left after the drain; those handlers nak their work
+        bus = await runtime.connect_bus(config.rank_id)
+        rollout = Rollout(config, engine, bus)
+
+        def stopping() -> None:
+            rollout.log.info("stopping", running=engine.num_running())
+            rollout.pull_gate.set()
+
+        runtime.when_stopping(stopping)
+        servicers = [Servicer(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, RolloutServicer(rollout),
+                              rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name)]
+        receiver = _weight_receiver(config, engine)
+        if receiver is not None:
+            servicers.append(receiver.servicer())
+            rollout.hold("weights")  # until the weights are known to be the trainer's, not stale ones (a restart)
+        rpc = await runtime.serve_grpc(
+            servicers, max_receive_bytes=LARGE_MAX_RECEIVE if receiver is not None else DEFAULT_MAX_RECEIVE)
+        address = bound_address(config.grpc_address, rpc.port)
+        rollout.log.info("serving", grpc=address, subject=SUBJECT_PROMPTS, version=engine.version)
+        runtime.spawn(consume(bus, "rollout", decoder(data_pb2.PromptWork), rollout.handle_work, stop,
+                              concurrency=config.concurrency, gate=rollout.pull_gate), "consume")
+        runtime.spawn(rollout.dead_letters.run(stop), "dead-letter-counts")
+        runtime.spawn(watch_health(rollout, rpc, stop), "engine-health")
+        # a server engine's death takes the service down (the supervisor restarts both)
+        runtime.spawn(engine.watch(stop), "engine-watch")
+        if config.gateway_enabled:
+            runtime.spawn(_serve_gateway(config, engine, bus, stop), "gateway")
+        if receiver is not None:
+            runtime.spawn(receiver.keep_registered(stop, agent_address=address), "wx-register")
+            runtime.spawn(open_when_current(rollout, receiver, config.catch_up_timeout, stop), "wx-catch-up")
+        await runtime.until_stopped()
 
 
 async def watch_health(rollout: Rollout, rpc, stop: asyncio.Event, every: float = 1.0) -> None:

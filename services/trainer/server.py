@@ -17,14 +17,15 @@ import grpc
 import prometheus_client
 import torch
 
-from services.common.auth import client_security, nats_credentials, server_security
+from services.common.auth import client_security
 from services.common.batches import batch_subject, wait_batch
 from services.common.bus import SUBJECT_VERSIONS, TRANSIENT, Bus, InvalidMessage, wait_either
 from services.common.contracts import common_pb2, data_pb2, trainer_pb2, trainer_pb2_grpc
 from services.common.deadletters import DeadLetterWatch
 from services.common.ids import now
 from services.common.logging import get_logger
-from services.common.rpc import Servicer, invalid_argument, start_server
+from services.common.rpc import Servicer, invalid_argument
+from services.common.runtime import ServiceRuntime
 from services.common.service import supervise
 from services.trainer.batching import distinct_versions, pack, trajectory_staleness
 from services.trainer.checkpoint import MANIFEST, latest_checkpoint, prune_checkpoints, read_lineage, remove_leftovers
@@ -427,16 +428,15 @@ async def heartbeat(leader, stop: asyncio.Event) -> None:
 
 async def serve_rank0(config: TrainerConfig, stop: asyncio.Event, leader=None,
                       compute: ComputeThread | None = None) -> None:
-    bus = await Bus.connect(config.nats_url, name=config.rank_id, replicas=config.nats_replicas,
-                            max_bytes=config.nats_max_bytes, **nats_credentials(config))
-    trainer = Trainer(config, bus, engine=leader, compute=compute)
-    trainer.resume()
-    rpc = await start_server(config.grpc_address, [Servicer(
-        trainer_pb2_grpc.add_TrainerServiceServicer_to_server, TrainerServicer(trainer),
-        trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name)], security=server_security(config))
-    tasks: list[asyncio.Task] = [asyncio.create_task(trainer.dead_letters.run(stop), name="dead-letter-counts")]
-    supervise(tasks, stop)
-    try:
+    async with ServiceRuntime(config, stop) as runtime:
+        bus = await runtime.connect_bus(config.rank_id)
+        trainer = Trainer(config, bus, engine=leader, compute=compute)
+        runtime.on_close(trainer.compute.close)   # after the gRPC server and the sender, before the bus
+        trainer.resume()
+        rpc = await runtime.serve_grpc([Servicer(
+            trainer_pb2_grpc.add_TrainerServiceServicer_to_server, TrainerServicer(trainer),
+            trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name)])
+        runtime.spawn(trainer.dead_letters.run(stop), "dead-letter-counts")
         if config.wx_address:
             from services.weight_exchange.client import SenderAgent
 
@@ -446,9 +446,9 @@ async def serve_rank0(config: TrainerConfig, stop: asyncio.Event, leader=None,
             sender.end_update(trainer.version)  # the parameters hold the resumed version
             await sender.open()
             trainer.sender = sender
+            runtime.on_close(sender.close)
             # register, then heartbeat (re-registers after a weight_exchange restart)
-            tasks.append(asyncio.create_task(sender.keep_registered(stop), name="wx_register"))
-            supervise(tasks[-1:], stop)
+            runtime.spawn(sender.keep_registered(stop), "wx_register")
             # a Sync before this process's registration landed would use a dead predecessor's endpoints
             await wait_registered(sender, stop, config.wx_address)
         engine = trainer.engine
@@ -458,13 +458,4 @@ async def serve_rank0(config: TrainerConfig, stop: asyncio.Event, leader=None,
                           trainable_parameters=engine.trainable_parameters(), version=trainer.version,
                           resumed_from=str(trainer.resumed_from or ""))
         await trainer.run(stop)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if trainer.sender is not None:
-            await trainer.sender.close()
-        await rpc.stop()
-        await bus.close()
-        trainer.compute.close()
 

@@ -7,11 +7,9 @@ import urllib.parse
 
 import grpc
 
-from services.common.auth import SHARED, Tls, caller, client_security, nats_credentials, server_security
-from services.common.bus import Bus
+from services.common.auth import SHARED, Tls, caller, client_security
 from services.common.contracts import weight_exchange_pb2 as wx_pb2
 from services.common.contracts import weight_exchange_pb2_grpc as wx_grpc
-from services.common.lease import acquire
 from services.common.logging import get_logger
 from services.common.rpc import (
     LARGE_MAX_RECEIVE,
@@ -19,9 +17,8 @@ from services.common.rpc import (
     bound_address,
     channel,
     invalid_argument,
-    start_server,
 )
-from services.common.service import supervise
+from services.common.runtime import ServiceRuntime
 from services.weight_exchange.announce import DeployedAnnouncer
 from services.weight_exchange.client.layout import RECEIVER, SENDER, RankLayout
 from services.weight_exchange.config import WeightExchangeConfig
@@ -148,47 +145,32 @@ class WeightExchangeServicer(wx_grpc.WeightExchangeServiceServicer):
 
 
 async def serve(config: WeightExchangeConfig, stop: asyncio.Event) -> None:
-    bus = await Bus.connect(config.nats_url, name="weight_exchange", replicas=config.nats_replicas,
-                            max_bytes=config.nats_max_bytes, **nats_credentials(config)) \
-        if config.publish_events and config.nats_url else None
-    # one active instance (the registrations live in its memory): a second one waits here as a standby until the
-    # active one's lease is released or lapses. Without NATS there is no lease: run one instance only.
-    lease = await acquire(bus, "weight_exchange", ttl=config.lease_seconds, stop=stop) if bus is not None else None
-    if bus is not None and lease is None:
-        await bus.close()
-        return
-    background = [asyncio.create_task(lease.hold(stop), name="lease")] if lease is not None else []
-    supervise(background, stop)
-
-    announcer = DeployedAnnouncer(bus) if bus is not None else None
-    if announcer is not None:
-        background.append(asyncio.create_task(announcer.run(stop), name="deployed-announcer"))
-        supervise(background[-1:], stop)
-
-    async def deployed(version: int) -> None:
+    async with ServiceRuntime(config, stop) as runtime:
+        bus = await runtime.connect_bus("weight_exchange") if config.publish_events and config.nats_url else None
+        # one active instance (the registrations live in its memory): a second one waits here as a standby until
+        # the active one's lease is released or lapses. Without NATS there is no lease: run one instance only.
+        if bus is not None and await runtime.hold_lease(bus, "weight_exchange") is None:
+            return
+        announcer = DeployedAnnouncer(bus) if bus is not None else None
         if announcer is not None:
-            await announcer.deployed(version)
+            runtime.spawn(announcer.run(stop), "deployed-announcer")
 
-    client = client_security(config)
-    agents = AgentClients(config.agent_token or client["token"], client["tls"])
-    coordinator = Coordinator(apply=agents.apply, on_deployed=deployed, bucket_bytes=config.bucket_bytes,
-                              default_transport=config.default_transport, transfer_timeout=config.transfer_timeout,
-                              control_timeout=config.control_timeout, verify=config.verify, rank_ttl=config.rank_ttl)
-    roles = {SENDER: tuple(config.sender_identities), RECEIVER: tuple(config.receiver_identities)}
-    servicer = Servicer(wx_grpc.add_WeightExchangeServiceServicer_to_server, WeightExchangeServicer(
-        coordinator, roles, check_agent_address=config.check_agent_address),
-                        wx_pb2.DESCRIPTOR.services_by_name["WeightExchangeService"].full_name)
-    server = await start_server(config.grpc_address, [servicer], security=server_security(config),
-                                max_receive_bytes=LARGE_MAX_RECEIVE)  # rank layouts of large models
-    log.info("serving", address=bound_address(config.grpc_address, server.port))
-    try:
-        await stop.wait()
-    finally:
-        await server.stop()
-        await coordinator.close()
-        await agents.close()
-        await asyncio.gather(*background, return_exceptions=True)
-        if lease is not None:
-            await lease.release()
-        if bus is not None:
-            await bus.close()
+        async def deployed(version: int) -> None:
+            if announcer is not None:
+                await announcer.deployed(version)
+
+        client = client_security(config)
+        agents = AgentClients(config.agent_token or client["token"], client["tls"])
+        runtime.on_close(agents.close)
+        coordinator = Coordinator(apply=agents.apply, on_deployed=deployed, bucket_bytes=config.bucket_bytes,
+                                  default_transport=config.default_transport,
+                                  transfer_timeout=config.transfer_timeout, control_timeout=config.control_timeout,
+                                  verify=config.verify, rank_ttl=config.rank_ttl)
+        runtime.on_close(coordinator.close)
+        roles = {SENDER: tuple(config.sender_identities), RECEIVER: tuple(config.receiver_identities)}
+        servicer = Servicer(wx_grpc.add_WeightExchangeServiceServicer_to_server, WeightExchangeServicer(
+            coordinator, roles, check_agent_address=config.check_agent_address),
+                            wx_pb2.DESCRIPTOR.services_by_name["WeightExchangeService"].full_name)
+        server = await runtime.serve_grpc([servicer], max_receive_bytes=LARGE_MAX_RECEIVE)  # large models' layouts
+        log.info("serving", address=bound_address(config.grpc_address, server.port))
+        await runtime.until_stopped()

@@ -213,13 +213,13 @@ def test_a_task_without_a_question_is_refused_unless_the_rubric_needs_none(confi
 
 
 @pytest.mark.parametrize("judge_section,field", [
-    ({"timeout_s": 0}, "reward.judge: timeout_s: must be > 0"),
-    ({"max_retries": -1}, "reward.judge: max_retries: must be >= 0"),
-    ({"base_url": "127.0.0.1:8000"}, "reward.judge: base_url: must start with http"),
-    ({"base_url": "http://127.0.0.1:8000/v1"}, "reward.judge: model: required"),
-    ({"score_min": 5, "score_max": 5}, "reward.judge: score_max: must be > score_min"),
-    ({"rubric": "{answer}"}, "reward.judge: rubric: must contain {response}"),
-    ({"api_key": "k", "api_key_file": "f"}, "reward.judge: api_key_env: set at most one"),
+    ({"timeout_s": 0}, "reward.judge.timeout_s: must be > 0"),
+    ({"max_retries": -1}, "reward.judge.max_retries: must be >= 0"),
+    ({"base_url": "127.0.0.1:8000"}, "reward.judge.base_url: must start with http"),
+    ({"base_url": "http://127.0.0.1:8000/v1"}, "reward.judge.model: required"),
+    ({"score_min": 5, "score_max": 5}, "reward.judge.score_max: must be > score_min"),
+    ({"rubric": "{answer}"}, "reward.judge.rubric: must contain {response}"),
+    ({"api_key": "k", "api_key_file": "f"}, "reward.judge.api_key_env: set at most one"),
     ({"retries": 2}, "reward.judge.retries: unknown key"),
 ])
 def test_bad_judge_config_names_the_field(judge_section, field):

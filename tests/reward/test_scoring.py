@@ -84,7 +84,7 @@ def test_the_pool_config_names_the_bad_key():
 
     env = {"MESHRL_REWARD__VERIFIER_POOL__WORKERS": "3"}
     assert load_config(RewardConfig, "reward", env=env).verifier_pool.workers == 3
-    with pytest.raises(ConfigError, match="reward.verifier_pool: timeout_s: must be > 0"):
+    with pytest.raises(ConfigError, match="reward.verifier_pool.timeout_s: must be > 0"):
         load_config(RewardConfig, "reward", env={"MESHRL_REWARD__VERIFIER_POOL__TIMEOUT_S": "0"})
 
 

@@ -39,7 +39,7 @@ from services.common.deadletters import DeadLetterWatch
 from services.common.ids import now
 from services.common.logging import get_logger
 from services.common.rpc import Servicer
-from services.common.runtime import ServiceRuntime
+from services.common.runtime import ServiceRuntime, sleep_or_stop
 from services.common.sampling import temperature_mismatch
 from services.common.service import supervise
 from services.common.steps import check_step_rewards
@@ -542,8 +542,7 @@ class Builder:
         ticks = 0
         while not stop.is_set():
             ticks += 1
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=every)
+            await sleep_or_stop(stop, every)
             for msg in [*self.assembler.held(), *(m for ms in self.eval_acks.values() for m in ms)]:
                 with contextlib.suppress(Exception):
                     await msg.in_progress()

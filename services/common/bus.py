@@ -33,6 +33,7 @@ from services.common.config import DEFAULT_MAX_BYTES
 from services.common.contracts import data_pb2
 from services.common.ids import now
 from services.common.logging import get_logger
+from services.common.runtime import Backoff
 
 SUBJECT_PROMPTS = "prompts.work"
 SUBJECT_TRAJ_RAW = "traj.raw"
@@ -368,16 +369,16 @@ async def retry(call: Callable[[], Awaitable[T]], *, what: str, deadline: float 
     """`call()` again (back-off 0.2 s doubling to 5 s) while it fails with one of `errors` (transient ones),
     up to `deadline` s."""
     give_up = now() + deadline
-    delay = 0.2
+    backoff = Backoff(initial=0.2, cap=5.0)
     while True:
         try:
             return await call()
         except errors as exc:
+            delay = backoff.next()
             if now() + delay > give_up:
                 raise
             get_logger().warning("nats_retry", what=what, retry_in=delay, error=repr(exc))
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
 
 
 async def consume(bus: Bus, consumer: str, decode: Callable[[Msg], M],
@@ -448,7 +449,7 @@ async def consume(bus: Bus, consumer: str, decode: Callable[[Msg], M],
             log.warning("settle_failed", error=repr(exc))
 
     keep_alive = asyncio.create_task(_keep_alive(handling, ack_wait / 3), name=f"keep-alive-{consumer}")
-    delay = 0.2
+    backoff = Backoff(initial=0.2, cap=5.0)
     try:
         while not stop.is_set():
             if gate is not None and not gate.is_set():
@@ -459,15 +460,15 @@ async def consume(bus: Bus, consumer: str, decode: Callable[[Msg], M],
                 continue
             try:
                 msgs = await sub.fetch(concurrency - len(running), timeout=fetch_timeout)
-                delay = 0.2
+                backoff.reset()
             except (TimeoutError, nats.errors.TimeoutError):
                 continue
             except Exception as exc:  # server gone, leader moving, consumer re-created: wait and fetch again
                 if stop.is_set():
                     break
+                delay = backoff.next()
                 log.warning("fetch_failed", retry_in=delay, error=repr(exc))
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
                 continue
             for msg in msgs:
                 if stop.is_set():
@@ -515,7 +516,7 @@ async def follow(bus: Bus, subject: str, decode: Callable[[Msg], M], handle: Cal
     """
     log = get_logger().bind(follow=subject)
     next_seq = 1
-    delay = 0.2
+    backoff = Backoff(initial=0.2, cap=5.0)
     idle = 0
     while not stop.is_set():
         try:
@@ -523,9 +524,9 @@ async def follow(bus: Bus, subject: str, decode: Callable[[Msg], M], handle: Cal
                 ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=next_seq,
                 inactive_threshold=60.0, num_replicas=1, mem_storage=True))
         except Exception as exc:
+            delay = backoff.next()
             log.warning("follow_subscribe_failed", retry_in=delay, error=repr(exc))
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
             continue
         try:
             while not stop.is_set():
@@ -547,13 +548,14 @@ async def follow(bus: Bus, subject: str, decode: Callable[[Msg], M], handle: Cal
                             await result
                     except ValueError as exc:  # InvalidMessage included
                         log.warning("follow_skipped", error=str(exc))
-                    next_seq, delay = seq + 1, 0.2  # only now: another error re-creates the consumer at `seq`
+                    next_seq = seq + 1  # only now: another error re-creates the consumer at `seq`
+                    backoff.reset()
                     if caught_up is not None and msg.metadata.num_pending == 0:
                         caught_up.set()
         except Exception as exc:
+            delay = backoff.next()
             log.warning("follow_interrupted", at=next_seq, retry_in=delay, error=repr(exc))
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import prometheus_client
 
 from services.common.bus import Bus
 from services.common.logging import get_logger
+from services.common.runtime import sleep_or_stop
 
 DEAD_LETTERS = prometheus_client.Gauge("meshrl_dead_letters", "Messages in the DLQ stream, by consumer", ["consumer"])
 
@@ -33,5 +33,4 @@ class DeadLetterWatch:
                 await self.refresh()
             except Exception as exc:  # noqa: BLE001 - a status figure never takes a service down
                 get_logger().debug("dead_letter_count_failed", error=repr(exc))
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=self.every)
+            await sleep_or_stop(stop, self.every)

@@ -36,6 +36,7 @@ from nats.js.kv import KeyValue
 from services.common.bus import TRANSIENT, Bus, retry
 from services.common.config import check_lease_seconds
 from services.common.logging import get_logger
+from services.common.runtime import sleep_or_stop
 
 KEY = "holder"
 LEASE_LOST_EXIT = 75  # EX_TEMPFAIL: restart me
@@ -77,11 +78,8 @@ class Lease:
         """Renew every ttl/3 until `stop`; LeaseLost when another instance took it or renewals failed for too long."""
         every, margin = self.ttl / 3, min(1.0, self.ttl / 6)
         while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), every)
+            if await sleep_or_stop(stop, every):
                 return
-            except TimeoutError:
-                pass
             await self._renew(deadline=self.renewed + self.ttl - margin)
 
     async def _renew(self, deadline: float) -> None:
@@ -154,10 +152,7 @@ async def acquire(bus: Bus, service: str, *, ttl: float, stop: asyncio.Event, ho
                 log.info("lease_standby", active=current,
                          reason=f"another {service} is active; taking over when its lease lapses ({ttl:.0f}s)")
                 announced = current
-            try:
-                await asyncio.wait_for(stop.wait(), poll)
-            except TimeoutError:
-                pass
+            await sleep_or_stop(stop, poll)
             continue
         log.info("lease_acquired", revision=revision, ttl=ttl)
         _HELD_HERE.add(service)

@@ -4,7 +4,6 @@ of identities (services.common.auth) and optional TLS / mTLS; channels that pres
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -15,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.auth import CALLER, OPEN_METHODS, AuthError, ServerSecurity, Tls, TokenTable, allowed, is_loopback
 from services.common.logging import get_logger
+from services.common.runtime import Backoff, sleep_or_stop
 
 MESSAGE_LIMITS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
 # what a server accepts before its interceptor checks the token (grpc reads a unary request whole first): small
@@ -171,14 +171,12 @@ async def invalid_argument(context: grpc.aio.ServicerContext, field: str, proble
 
 async def call_until_ok(call: Callable[[], Any], stop: asyncio.Event, *, what: str, max_delay: float = 2.0) -> bool:
     """Retry an async gRPC call while its server is not up yet; False if `stop` was set first."""
-    delay = 0.2
+    backoff = Backoff(initial=0.2, cap=max_delay)
     while not stop.is_set():
         try:
             await call()
             return True
         except (grpc.aio.AioRpcError, OSError) as exc:
             get_logger().debug("peer_not_ready", what=what, error=str(exc))
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=delay)
-            delay = min(delay * 2, max_delay)
+            await sleep_or_stop(stop, backoff.next())
     return False

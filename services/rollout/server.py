@@ -33,7 +33,7 @@ from services.common.rpc import (
     bound_address,
     invalid_argument,
 )
-from services.common.runtime import ServiceRuntime
+from services.common.runtime import ServiceRuntime, sleep_or_stop
 from services.common.service import supervise
 from services.rollout.config import RolloutConfig
 from services.rollout.engines.base import (
@@ -181,8 +181,7 @@ async def watch_health(rollout: Rollout, rpc, stop: asyncio.Event, every: float 
     """Once the engine turns unhealthy, the service says so: health NOT_SERVING (an orchestrator restarts it),
     no more prompt work pulled (other replicas take it), and one error line naming the cause."""
     while not stop.is_set() and rollout.engine.failure is None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), every)
+        await sleep_or_stop(stop, every)
     if rollout.engine.failure is not None:
         rollout.hold("engine")
         await rpc.set_serving(False)
@@ -264,8 +263,7 @@ async def _wait_until(condition, stop: asyncio.Event, timeout: float) -> bool:
     while not condition():
         if stop.is_set() or time.monotonic() >= deadline:
             return False
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), min(0.1, max(0.0, deadline - time.monotonic())))
+        await sleep_or_stop(stop, min(0.1, max(0.0, deadline - time.monotonic())))
     return True
 
 

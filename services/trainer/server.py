@@ -9,7 +9,6 @@ lineage applies every batch index exactly once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import pathlib
 
@@ -25,7 +24,7 @@ from services.common.deadletters import DeadLetterWatch
 from services.common.ids import now
 from services.common.logging import get_logger
 from services.common.rpc import Servicer, invalid_argument
-from services.common.runtime import ServiceRuntime
+from services.common.runtime import Backoff, ServiceRuntime, sleep_or_stop
 from services.common.service import supervise
 from services.trainer.batching import distinct_versions, pack, trajectory_staleness
 from services.trainer.checkpoint import MANIFEST, latest_checkpoint, prune_checkpoints, read_lineage, remove_leftovers
@@ -107,7 +106,7 @@ class Trainer:
     async def run(self, stop: asyncio.Event) -> None:
         """Train batch `version`, then the next, until `stop`; waits while paused."""
         await self.finish_if_done()
-        delay = 0.5
+        backoff = Backoff(initial=0.5, cap=10.0)
         while not stop.is_set():
             if not self.running.is_set():
                 await wait_either(self.running, stop)
@@ -120,12 +119,11 @@ class Trainer:
                 await self.skip(index, str(exc))
                 continue
             except TRANSIENT as exc:  # NATS away longer than the bus's retries: keep waiting for it
+                delay = backoff.next()
                 self.log.warning("batch_read_failed", index=index, retry_in=delay, error=repr(exc))
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), timeout=delay)
-                delay = min(delay * 2, 10.0)
+                await sleep_or_stop(stop, delay)
                 continue
-            delay = 0.5
+            backoff.reset()
             if batch is None:
                 break
             if self.running.is_set():  # paused while waiting: read it again on resume
@@ -420,9 +418,7 @@ async def wait_registered(sender, stop: asyncio.Event, address: str, timeout: fl
 async def heartbeat(leader, stop: asyncio.Event) -> None:
     """Rank 0 of a group while idle: a dead rank fails this task, which takes the service down."""
     while not stop.is_set():
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), timeout=leader.interval / 2)
-        if not stop.is_set():
+        if not await sleep_or_stop(stop, leader.interval / 2):
             await asyncio.to_thread(leader.heartbeat)
 
 

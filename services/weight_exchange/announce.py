@@ -10,12 +10,12 @@ the run, waiting forever. A publish that fails does not fail the Sync: the weigh
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 from services.common.bus import SUBJECT_VERSIONS, TRANSIENT, Bus
 from services.common.contracts import data_pb2
 from services.common.ids import now
 from services.common.logging import get_logger
+from services.common.runtime import sleep_or_stop
 
 
 class DeployedAnnouncer:
@@ -32,9 +32,8 @@ class DeployedAnnouncer:
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.every)
-            if self.version >= 0 and not stop.is_set():
+            stopped = await sleep_or_stop(stop, self.every)
+            if self.version >= 0 and not stopped:
                 await self._announce()
 
     async def _announce(self) -> None:

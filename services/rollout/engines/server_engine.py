@@ -41,6 +41,7 @@ import urllib.request
 import httpx
 
 from services.common.logging import get_logger
+from services.common.runtime import sleep_or_stop
 from services.rollout.engines.base import EngineStats, check_request
 from services.rollout.engines.sequence import Sampling, Sequence, Status
 
@@ -209,9 +210,7 @@ class ServerEngine:
         fails /health three times in a row; the service then goes down and its supervisor restarts it."""
         failures = 0
         while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), interval)
-            if stop.is_set() or self._stopped:
+            if await sleep_or_stop(stop, interval) or self._stopped:
                 return
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(f"the {self.server_name} server exited with {self.process.returncode}: "

@@ -15,6 +15,7 @@ import time
 from services.common.bus import PayloadTooLarge
 from services.common.ids import now
 from services.common.logging import get_logger
+from services.common.runtime import sleep_or_stop
 from services.rollout.gateway import metrics
 from services.rollout.gateway.core import Gateway
 from services.rollout.gateway.errors import ApiError, bad_request
@@ -196,10 +197,7 @@ async def _drain(gw: Gateway, session: Session) -> None:
 async def reap(gw: Gateway, stop: asyncio.Event) -> None:
     """End sessions idle past the timeout; forget ended ones after the replay window."""
     while not stop.is_set():
-        try:
-            await asyncio.wait_for(stop.wait(), gw.config.reap_interval_s)
-        except TimeoutError:
-            pass
+        await sleep_or_stop(stop, gw.config.reap_interval_s)
         for session in gw.sessions.idle(now() - gw.config.idle_timeout_s):
             if session.inflight == 0 and session.ending is None:  # one that is ending ends when the bus confirms
                 try:

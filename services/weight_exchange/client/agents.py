@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -16,6 +15,7 @@ from services.common.contracts import weight_exchange_pb2 as wx_pb2
 from services.common.contracts import weight_exchange_pb2_grpc as wx_grpc
 from services.common.logging import get_logger
 from services.common.rpc import Servicer, channel, invalid_argument
+from services.common.runtime import Backoff, sleep_or_stop
 from services.weight_exchange.client import tickets
 from services.weight_exchange.client.layout import POST_LOAD_TRANSFORMED, RECEIVER, SENDER, RankLayout, Shard
 from services.weight_exchange.client.layouts.hf import dedupe_tied, hf_full_shards
@@ -75,20 +75,20 @@ class _Registrant:
         rejects (INVALID_ARGUMENT) raises."""
         if interval <= 0:
             raise ValueError(f"interval: must be positive, got {interval}")
-        delay, failures = min(0.2, interval), 0
+        backoff, failures = Backoff(initial=min(0.2, interval), cap=interval), 0
         while not stop.is_set():
             try:
                 await self.register()
-                wait, delay, failures = interval, min(0.2, interval), 0
+                wait, failures = interval, 0
+                backoff.reset()
             except (grpc.aio.AioRpcError, OSError) as exc:
                 if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise
                 failures += 1
+                wait = backoff.next()
                 (log.warning if failures == 1 else log.debug)(
-                    "register_failed", rank_id=self.rank_id, error=str(exc), retry_in=round(delay, 2))
-                wait, delay = delay, min(delay * 2, interval)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=wait)
+                    "register_failed", rank_id=self.rank_id, error=str(exc), retry_in=round(wait, 2))
+            await sleep_or_stop(stop, wait)
 
     async def _send(self, layout: RankLayout) -> wx_pb2.RegisterReply:
         layout.validate()

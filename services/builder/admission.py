@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from services.common.contracts import data_pb2
+
 
 @dataclasses.dataclass
 class _Window:
@@ -98,6 +100,10 @@ class OnlineBudget(_Window):
     @property
     def event_id(self) -> str:
         return f"budget-{self.version}-{self.released}"
+
+    def to_proto(self) -> data_pb2.OnlineBudget:
+        return data_pb2.OnlineBudget(limit_groups=self.limit, released_groups=self.released,
+                                     arrived_groups=self.arrived, eta=self.max_staleness, batch_size=self.batch_size)
 
     def metrics(self) -> dict[str, float]:
         return {"limit_groups": float(self.limit), "released_groups": float(self.released),

@@ -376,7 +376,7 @@ class Builder:
         """Announce the online budget; a failed publish is only logged (the next one carries the same totals)."""
         b = self.online
         event = data_pb2.VersionEvent(event_id=b.event_id, version=b.version, kind=data_pb2.VERSION_KIND_BUDGET,
-                                      at=now(), metrics=b.metrics())
+                                      at=now(), metrics=b.metrics(), budget=b.to_proto())
         try:
             await self.bus.publish(SUBJECT_VERSIONS, event, event.event_id)
         except Exception as exc:

@@ -295,10 +295,9 @@ async def follow_budget(bus: Bus, budget, stop: asyncio.Event) -> None:
     def on_event(event: data_pb2.VersionEvent) -> None:
         if event.kind != data_pb2.VERSION_KIND_BUDGET:
             return
-        m = event.metrics
-        if "limit_groups" not in m:
-            raise ValueError(f"limit_groups: missing in budget event {event.event_id!r}")
-        budget.update(limit=int(m["limit_groups"]), released=int(m.get("released_groups", 0)),
-                      arrived=int(m.get("arrived_groups", 0)))
+        if not event.HasField("budget"):
+            raise ValueError(f"budget: missing in budget event {event.event_id!r}")
+        b = event.budget
+        budget.update(limit=b.limit_groups, released=b.released_groups, arrived=b.arrived_groups)
 
     await follow(bus, SUBJECT_VERSIONS, decoder(data_pb2.VersionEvent), on_event, stop)

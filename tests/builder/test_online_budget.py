@@ -65,6 +65,9 @@ async def test_online_builder_announces_start_versions_and_stale_releases(nats_s
         await until(lambda: len(budgets()) == 1, "the start announcement")
         assert budgets()[0] == ("budget-0-0", 0, {"limit_groups": 2.0, "released_groups": 0.0, "arrived_groups": 0.0,
                                                   "eta": 0.0, "batch_size": 2.0})
+        first = next(e for e in seen if e.kind == data_pb2.VERSION_KIND_BUDGET).budget   # the typed announcement
+        assert (first.limit_groups, first.released_groups, first.arrived_groups, first.eta, first.batch_size) == \
+            (2, 0, 0, 0, 2)
         trained = data_pb2.VersionEvent(event_id="trained-1", version=1, kind=data_pb2.VERSION_KIND_TRAINED)
         await bus.publish(SUBJECT_VERSIONS, trained, trained.event_id)
         await asyncio.sleep(0.5)

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.timeout(60)
 def budget_event(version: int, limit: int, released: int, arrived: int = 0) -> data_pb2.VersionEvent:
     return data_pb2.VersionEvent(event_id=f"budget-{version}-{released}", version=version,
                                  kind=data_pb2.VERSION_KIND_BUDGET,
-                                 metrics={"limit_groups": limit, "released_groups": released, "arrived_groups": arrived})
+                                 budget=data_pb2.OnlineBudget(limit_groups=limit, released_groups=released,
+                                                              arrived_groups=arrived, eta=1, batch_size=4))
 
 
 async def until(predicate, what: str, timeout: float = 20.0) -> None:
@@ -41,8 +42,8 @@ async def test_every_replica_and_a_restarted_one_get_the_latest_budget(nats_serv
                                         metrics={"limit_groups": 999})
         await bus.publish(SUBJECT_VERSIONS, trained, "t1")  # not a budget event: ignored
         await bus.nc.publish(SUBJECT_VERSIONS, b"\xff not protobuf")  # skipped, the feed goes on
-        broken = data_pb2.VersionEvent(event_id="b", kind=data_pb2.VERSION_KIND_BUDGET, metrics={"eta": 1})
-        await bus.publish(SUBJECT_VERSIONS, broken, "b")  # no limit: skipped
+        broken = data_pb2.VersionEvent(event_id="b", kind=data_pb2.VERSION_KIND_BUDGET, metrics={"limit_groups": 99})
+        await bus.publish(SUBJECT_VERSIONS, broken, "b")  # floats in the generic map, no typed budget: skipped
         await bus.publish(SUBJECT_VERSIONS, budget_event(1, 8, 3, 5), "budget-1-3")
         await until(lambda: all(b.limit == 8 for b in replicas), "the second budget event on both replicas")
         assert all((b.released, b.arrived) == (3, 5) for b in replicas)

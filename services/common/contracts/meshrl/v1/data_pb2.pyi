@@ -148,7 +148,7 @@ class TrainingBatch(_message.Message):
     def __init__(self, batch_id: _Optional[str] = ..., index: _Optional[int] = ..., trajectories: _Optional[_Iterable[_Union[Trajectory, _Mapping]]] = ..., created_at: _Optional[float] = ..., dropped_stale: _Optional[int] = ..., group_ids: _Optional[_Iterable[str]] = ..., object_name: _Optional[str] = ...) -> None: ...
 
 class VersionEvent(_message.Message):
-    __slots__ = ("event_id", "version", "kind", "at", "checkpoint_path", "metrics")
+    __slots__ = ("event_id", "version", "kind", "at", "checkpoint_path", "metrics", "budget")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -162,13 +162,29 @@ class VersionEvent(_message.Message):
     AT_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_PATH_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
     event_id: str
     version: int
     kind: VersionKind
     at: float
     checkpoint_path: str
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, event_id: _Optional[str] = ..., version: _Optional[int] = ..., kind: _Optional[_Union[VersionKind, str]] = ..., at: _Optional[float] = ..., checkpoint_path: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    budget: OnlineBudget
+    def __init__(self, event_id: _Optional[str] = ..., version: _Optional[int] = ..., kind: _Optional[_Union[VersionKind, str]] = ..., at: _Optional[float] = ..., checkpoint_path: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., budget: _Optional[_Union[OnlineBudget, _Mapping]] = ...) -> None: ...
+
+class OnlineBudget(_message.Message):
+    __slots__ = ("limit_groups", "released_groups", "arrived_groups", "eta", "batch_size")
+    LIMIT_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    ARRIVED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    ETA_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    limit_groups: int
+    released_groups: int
+    arrived_groups: int
+    eta: int
+    batch_size: int
+    def __init__(self, limit_groups: _Optional[int] = ..., released_groups: _Optional[int] = ..., arrived_groups: _Optional[int] = ..., eta: _Optional[int] = ..., batch_size: _Optional[int] = ...) -> None: ...
 
 class TensorRegion(_message.Message):
     __slots__ = ("offsets", "sizes")

@@ -31,10 +31,10 @@ class TrainerConfig(ServiceConfig):
     critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)          # built when the preset needs one
     reference: ReferenceConfig = dataclasses.field(default_factory=ReferenceConfig)  # built when the preset needs one
     packing: PackingConfig = dataclasses.field(default_factory=PackingConfig)  # sequence packing of the forwards
-    max_new_tokens: int = 8                             # the rollout's generation limit (builder sampling)
+    max_new_tokens: int = 8                             # the generation limit: the launcher sets builder.sampling.max_new_tokens
     sft_min_reward: float = 0.0                         # sft: train on samples with reward above this
-    temperature: float = 1.0                            # the rollout's sampling temperature
-    total_steps: int = 0                                # final checkpoint after this many steps; 0 = unbounded
+    temperature: float = 1.0                            # log-probs at this temperature: the launcher sets builder.sampling.temperature; a batch sampled at another is skipped
+    total_steps: int = 0                                # final checkpoint after this many steps (the launcher sets the builder's); 0 = unbounded
     checkpoint_every: int = 5                           # steps between resumable checkpoints; 0 = only the final one
     keep_checkpoints: int = 2                           # newest resumable checkpoints kept in run_dir/checkpoints
     seed: int = 0

@@ -28,6 +28,7 @@ from launcher.supervisor import Backoff, Supervisor, pid_alive
 from launcher.watch import watch_run
 from services.common.auth import OPERATOR
 from services.common.credentials import LEASED, RunCredentials
+from services.common.net import free_ports
 from services.rollout.gateway.config import ADMIN_KEY_FILE
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -43,7 +44,9 @@ STATE_FILE = ROOT / ".stack" / "state.json"
 
 
 def random_ports() -> dict[str, int]:
-    return {name: free_port() for name in (*SERVICES, "nats", "gateway", *NATS_CLUSTER_KEYS)}
+    """A free port for every service, NATS and the gateway, all distinct."""
+    names = (*SERVICES, "nats", "gateway", *NATS_CLUSTER_KEYS)
+    return dict(zip(names, free_ports(len(names)), strict=True))
 
 
 def nats_cluster_ports(ports: dict[str, int]) -> tuple[list[int], list[int]]:

@@ -167,7 +167,6 @@ class RunConfig:
         if self.dataset is not None and sections["builder"].get("dataset") is not None:
             raise ConfigError("services.builder.dataset: the run's dataset is the top-level `dataset`; "
                               "set it there only")
-        derived: dict[str, Any] = {}
         values = {}
         for service in SERVICES:
             defaults = fill(launcher.get(service), self._defaults(service, seed))
@@ -183,20 +182,15 @@ class RunConfig:
             values["builder"]["dynamic_sampling"] = self._dynamic_sampling(values["trainer"])
         configs: dict[str, Any] = {"builder": build_config(config_class("builder"), values["builder"], "services.builder")}
         builder = config_values(configs["builder"])
-        derived["builder.dynamic_sampling"] = builder["dynamic_sampling"]
         for (owner, owner_key), (follower, key) in ONE_SOURCE:
             value, mine = _get(builder, owner_key), _get(sections[follower], key)
             if mine is not None and mine != value:
                 raise ConfigError(f"services.{follower}.{key}: {mine!r} differs from services.{owner}.{owner_key} "
                                   f"({value!r}); it is set once, as services.{owner}.{owner_key}")
             _set(values[follower], key, value)
-            derived[f"{follower}.{key}"] = value
         configs.update({s: build_config(config_class(s), values[s], f"services.{s}") for s in SERVICES
                         if s != "builder"})
-        if self.pretrained:
-            for key in ("lr", "grad_clip", "warmup_updates"):
-                derived[f"trainer.optim.{key}"] = getattr(configs["trainer"].optim, key)
-        return RunPlan(run=self, configs=configs, derived=derived, seed=seed)
+        return RunPlan(run=self, configs=configs, seed=seed)
 
     def _defaults(self, service: str, seed: int) -> dict[str, Any]:
         """The run-wide settings as a service's defaults (a section that sets one keeps its value)."""
@@ -219,11 +213,10 @@ class RunConfig:
 
 @dataclasses.dataclass
 class RunPlan:
-    """What a run file derives: each service's typed config, and the cross-service settings derived for it."""
+    """What a run file derives: each service's typed config."""
 
     run: RunConfig
     configs: dict[str, Any]
-    derived: dict[str, Any]
     seed: int
 
     def values(self, service: str) -> dict[str, Any]:

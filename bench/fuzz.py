@@ -425,8 +425,16 @@ def _packb(value: Any) -> bytes:
         return b"\xc1"
 
 
-bad_meta = st.one_of(st.binary(max_size=24), junk.map(_packb), st.sampled_from([b"\xc1", b"\x91\x01", b"\x81\x01\x02"]),
-                     st.fixed_dictionaries({"answer": junk, "extract": junk, "verifier": junk, "eval_round": junk}).map(_packb))
+bad_map = st.one_of(st.binary(max_size=24), junk.map(_packb), st.sampled_from([b"\xc1", b"\x91\x01", b"\x81\x01\x02"]))
+bad_grading = {"grading.answer": st.text(max_size=8), "grading.extract": st.text(max_size=8),
+               "grading.verifier": st.text(max_size=12), "grading.verifier_options": bad_map, "grading.rg_entry": bad_map,
+               "grading.row": bad_map, "grading.extra": bad_map, "grading.eval_round": i64}
+
+
+def _grading(task: dict):
+    from services.common import grading
+
+    return grading.to_proto(task)
 
 
 @st.composite
@@ -460,7 +468,7 @@ def prompt_work(draw):
         sampling=data_pb2.SamplingParams(temperature=draw(st.floats(0, 2, width=32)), top_p=draw(st.floats(0.0625, 1, width=32)),
                                          top_k=draw(st.integers(0, 8)), max_new_tokens=draw(st.integers(1, 8)),
                                          stop_token_ids=draw(st.lists(token, max_size=2))),
-        issued_version=draw(st.integers(0, 3)), issued_at=1.0, metadata=_packb(draw(TASK)),
+        issued_version=draw(st.integers(0, 3)), issued_at=1.0, grading=_grading(draw(TASK)),
         split=draw(st.sampled_from(["train", "eval"])))
     return draw(corrupt(work, {
         "work_id": bad_id, "group_id": bad_id, "task_id": st.text(min_size=1025, max_size=1100),
@@ -469,13 +477,13 @@ def prompt_work(draw):
         "group_size": st.one_of(st.integers(-(2**31), 0), st.integers(1025, 2**31 - 1), st.integers(1, 4)),
         "sampling.temperature": f32, "sampling.top_p": f32, "sampling.top_k": i32,
         "sampling.max_new_tokens": st.one_of(st.integers(-(2**31), 0), st.integers(257, 2**31 - 1)), "sampling.stop_token_ids": st.lists(i32, min_size=1, max_size=80),
-        "issued_version": i64, "issued_at": st.floats(), "metadata": bad_meta, "split": st.text(max_size=6)}))
+        "issued_version": i64, "issued_at": st.floats(), **bad_grading, "split": st.text(max_size=6)}))
 
 
 TRAJ_BAD = {"trajectory_id": bad_id, "group_id": bad_id, "group_size": i32, "prompt_ids": st.lists(i32, max_size=20),
             "completion_ids": st.lists(i32, max_size=20), "behavior_logprobs": st.lists(f32, max_size=20),
             "versions": st.lists(i64, max_size=20), "loss_mask": st.lists(i32, max_size=20), "reward": f32,
-            "metadata": bad_meta, "split": st.sampled_from(["eval", "x", ""]), "source": st.text(max_size=8),
+            **bad_grading, "split": st.sampled_from(["eval", "x", ""]), "source": st.text(max_size=8),
             "finish_reason": st.text(max_size=8)}
 
 
@@ -490,7 +498,7 @@ def valid_trajectory(draw, group: str | None = None):
         completion_ids=draw(st.lists(token, min_size=n, max_size=n)),
         behavior_logprobs=draw(st.lists(st.floats(-5, 0, width=32), min_size=n, max_size=n)),
         versions=draw(st.lists(st.integers(0, 2), min_size=n, max_size=n)), loss_mask=[1] * n,
-        reward=draw(st.floats(0, 1, width=32)), finish_reason="stop", source="workflow", metadata=_packb(draw(TASK)),
+        reward=draw(st.floats(0, 1, width=32)), finish_reason="stop", source="workflow", grading=_grading(draw(TASK)),
         split="train")
 
 

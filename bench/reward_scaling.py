@@ -38,12 +38,12 @@ import sys
 import tempfile
 import time
 
-import msgpack
 import psutil
 import yaml
 
 from launcher.processes import NatsServer, free_port
 from launcher.stack import ensure_model
+from services.common import grading
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -101,7 +101,7 @@ def backlog(verifier: str, n: int, tag: str, tokenizer) -> tuple[list, float]:
             trajectory_id=f"bench-{tag}-{i}", group_id=f"bench-{tag}-g{i // 8}", task_id=f"{verifier}-{i}",
             group_size=8, prompt_ids=prompt, completion_ids=ids, behavior_logprobs=[-1.0] * len(ids),
             versions=[0] * len(ids), loss_mask=[1] * len(ids), finish_reason="stop", created_at=time.time(),
-            source="workflow", metadata=msgpack.packb(meta), split="train"))
+            source="workflow", grading=grading.to_proto(meta), split="train"))
         expected += reward
     return out, expected / max(1, n)
 
@@ -191,7 +191,7 @@ async def warm_up(replicas: list[Replica], verifier: str) -> None:
     async def one(r: Replica) -> None:
         async with channel(r.address) as ch:
             reply = await reward_pb2_grpc.RewardServiceStub(ch).Score(
-                reward_pb2.ScoreRequest(verifier=verifier, response=text, metadata=msgpack.packb(meta)),
+                reward_pb2.ScoreRequest(verifier=verifier, response=text, grading=grading.to_proto(meta)),
                 timeout=START_TIMEOUT_S)
         if reply.reward != expected:
             raise RuntimeError(f"replica {r.index}: warm-up {verifier} scored {reply.reward} ({reply.detail}), "

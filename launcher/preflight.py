@@ -29,7 +29,8 @@ def check_service(service: str, config_file: pathlib.Path) -> Any:
 
 def check_dataset(builder_config: Any) -> dict[str, int]:
     """Reads a file dataset's rows and checks their verifiers; returns the row count of each split."""
-    from services.builder.tasks import grading_metadata
+    from services.builder.tasks import grading_of
+    from services.common import grading
     from services.reward.verifiers.registry import build_verifier
 
     dataset = builder_config.dataset
@@ -43,7 +44,7 @@ def check_dataset(builder_config: Any) -> dict[str, int]:
             name = task.metadata.get("verifier", "math")
             if name not in verifiers:
                 verifiers[name] = build_verifier(name, f"dataset.verifier (task {task.task_id})")
-            verifiers[name].check(grading_metadata(task))  # what the builder sends
+            verifiers[name].check(grading.to_task(grading_of(task)))  # what the reward service gets
     except (ValueError, OSError) as exc:
         raise PreflightError(f"dataset: {exc}") from None
     return {"train": len(built.train), "eval": len(built.eval)}

@@ -26,6 +26,8 @@ sys.path.insert(0, str(ROOT))
 from launcher.runconfig import RunConfig  # noqa: E402
 from launcher.stack import resolve_model  # noqa: E402
 from services.builder.config import BuilderConfig  # noqa: E402
+from services.builder.tasks import grading_of  # noqa: E402
+from services.common import grading  # noqa: E402
 from services.reward.verifiers import build_verifier  # noqa: E402
 
 
@@ -66,7 +68,7 @@ def evaluate(model_dir: str, run: RunConfig, *, seed: int = 0, limit: int = 0, b
     verifiers: dict = {}
     right = 0
     for i, (task, reply) in enumerate(zip(tasks, replies, strict=True)):
-        meta = {**task.metadata, "answer": task.answer}
+        meta = grading.to_task(grading_of(task))  # what the reward service would get
         name = meta["verifier"]
         verifier = verifiers.get(name) or verifiers.setdefault(name, build_verifier(name))
         reward = verifier.score(reply, meta).reward

@@ -11,7 +11,7 @@ class KeywordVerifier:
     def check(self, task: dict) -> None:
         keywords = (task.get("verifier_options") or {}).get("keywords")
         if not isinstance(keywords, list) or not keywords or not all(isinstance(k, str) and k for k in keywords):
-            raise ValueError("metadata.verifier_options.keywords: must be a non-empty list of strings")
+            raise ValueError("grading.verifier_options.keywords: must be a non-empty list of strings")
 
     def score(self, response: str, task: dict) -> tuple[float, str]:
         keywords = task["verifier_options"]["keywords"]

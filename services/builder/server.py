@@ -9,7 +9,6 @@ import itertools
 import pathlib
 import time
 
-import msgpack
 import prometheus_client
 from transformers import AutoTokenizer
 
@@ -21,6 +20,7 @@ from services.builder.evaluation import EvalRound, EvalTracker
 from services.builder.grouping import Group, GroupAssembler, assemble_batch, check_rewards, reward_varies
 from services.builder.ledger import NO_VARIANCE, Batched, Dropped, IssuedEval, Ledger, merge_batches
 from services.builder.tasks import make_work
+from services.common import grading
 from services.common.batches import BatchConflict, prune_blobs, publish_batch, published_batches
 from services.common.bus import (
     CONSUMERS,
@@ -212,7 +212,7 @@ class Builder:
             work_id = f"eval-{rnd.round_id}-{i}"
             work = make_work(task, work_id=work_id, group_id=work_id, group_size=1, encode=self.encode,
                              sampling=self.eval_sampling, version=version, split="eval", issued_at=now(),
-                             extra={"eval_round": rnd.round_id})
+                             eval_round=rnd.round_id)
             await self.bus.publish(SUBJECT_PROMPTS, work, work_id)
         self.log.info("eval_issued", round=rnd.round_id, version=version, final=final, n=rnd.expected)
 
@@ -353,8 +353,7 @@ class Builder:
             return  # not this builder's (its own "never issued" letters): no slot of the budget to free
         reason = f"dead_letter:{letter.consumer}"
         if item.split == "eval":
-            meta = msgpack.unpackb(item.metadata, raw=False) if item.metadata else {}
-            rnd = self.evals.record(int(meta.get("eval_round", -1)), item.task_id, 0.0, [])
+            rnd = self.evals.record(grading.eval_round(item.grading), item.task_id, 0.0, [])
             if rnd is not None:
                 await self._finish_eval(rnd)
             return
@@ -397,11 +396,9 @@ class Builder:
         return n.isdigit() and int(n) < self.issued
 
     async def _record_eval(self, traj: data_pb2.Trajectory, msg) -> None:
-        try:
-            meta = msgpack.unpackb(traj.metadata, raw=False) if traj.metadata else {}
-            round_id = int(meta.get("eval_round", -1))
-        except (ValueError, TypeError, AttributeError, msgpack.ExtraData) as exc:
-            raise InvalidMessage(f"metadata: not a msgpack map with an integer eval_round: {exc}") from exc
+        if not traj.grading.HasField("eval_round"):
+            raise InvalidMessage("grading.eval_round: missing on an eval trajectory")
+        round_id = traj.grading.eval_round
         known = self.evals.rounds.get(round_id)
         if known is None or known.complete:
             await msg.ack()  # a late repeat, or a round this run never issued

@@ -31,7 +31,7 @@ class PoolConfig:
 class RewardConfig(ServiceConfig):
     grpc_address: str = "127.0.0.1:50052"
     model_path: str = "artifacts/models/tiny-qwen3"  # for the tokenizer that decodes completions
-    default_verifier: str = "math"  # for trajectories whose metadata names no verifier
+    default_verifier: str = "math"  # for trajectories whose grading names no verifier
     concurrency: int = 16
     verifier_pool: PoolConfig = dataclasses.field(default_factory=PoolConfig)
     sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)  # code verifiers' bwrap sandbox

@@ -1,8 +1,8 @@
 """Scoring a trajectory: validate, decode, pick the verifier, check the task, verify, add shaping terms. No I/O.
 
-The task is the trajectory's msgpack metadata: `answer`, `verifier` (a name from the registry; else the trajectory's
-`verifier` field, else the service default), optional `verifier_options`, `extract`, `shaping` and, for
-reasoning-gym verifiers, `rg_entry`. Everything in it is checked before any verifier runs; a ValueError (an
+The task is the trajectory's `grading` (a `Grading` message, read as the map verifiers take: `answer`, `verifier` (a
+name from the registry; else the trajectory's `verifier` field, else the service default), optional
+`verifier_options`, `extract`, `shaping` and, for reasoning-gym verifiers, `rg_entry`). Everything in it is checked before any verifier runs; a ValueError (an
 InvalidMessage for trajectories, which dead-letters them) names the field.
 
 Verifiers marked `isolated` (math-verify, reasoning-gym scorers, plugins) run in worker processes with a deadline
@@ -19,8 +19,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-import msgpack
-
+from services.common import grading
 from services.common.bus import InvalidMessage
 from services.common.contracts import data_pb2
 from services.common.ids import now
@@ -34,16 +33,12 @@ T = TypeVar("T")
 _ID = re.compile(r"[\x21-\x7e]{1,256}")  # ids travel in Nats-Msg-Id headers
 
 
-def decode_metadata(raw: bytes) -> Mapping[str, Any]:
-    if not raw:
-        return {}
+def task_of(g: data_pb2.Grading) -> Mapping[str, Any]:
+    """The map verifiers read; InvalidMessage naming the part that is not a msgpack map."""
     try:
-        value = msgpack.unpackb(raw, raw=False)
-    except Exception as exc:
-        raise InvalidMessage(f"metadata: not msgpack ({exc})") from exc
-    if not isinstance(value, dict):
-        raise InvalidMessage("metadata: must be a msgpack map")
-    return value
+        return grading.to_task(g)
+    except ValueError as exc:
+        raise InvalidMessage(str(exc)) from exc
 
 
 def validate_trajectory(traj: data_pb2.Trajectory, vocab_size: int | None = None) -> None:
@@ -110,7 +105,7 @@ class Scorer:
         terms = shaping.parse_shaping(task.get("shaping"))
         if shaping.needs_tokens(terms) and n_tokens is None:
             if self.count_tokens is None:
-                raise ValueError("metadata.shaping: max_tokens needs a token count here (use max_chars)")
+                raise ValueError("grading.shaping: max_tokens needs a token count here (use max_chars)")
             n_tokens = self.count_tokens(response)
         return _Checked(name, v, response, task, terms, n_tokens, self._quick(v, response, task))
 
@@ -147,8 +142,8 @@ class Scorer:
 
     def _check_trajectory(self, traj: data_pb2.Trajectory) -> _Checked:
         validate_trajectory(traj, self.vocab_size)
-        task = decode_metadata(traj.metadata)
-        name, field = task.get("verifier"), "metadata.verifier"
+        task = task_of(traj.grading)
+        name, field = task.get("verifier"), "grading.verifier"
         if not name:
             name, field = traj.verifier or self.default, "verifier"
         if not isinstance(name, str):

@@ -7,6 +7,7 @@ import asyncio
 import prometheus_client
 from transformers import AutoTokenizer
 
+from services.common import grading
 from services.common.bus import SUBJECT_TRAJ_SCORED, Bus, consume, decoder
 from services.common.contracts import data_pb2, reward_pb2, reward_pb2_grpc
 from services.common.deadletters import DeadLetterWatch
@@ -15,7 +16,7 @@ from services.common.rpc import Servicer, invalid_argument
 from services.common.runtime import ServiceRuntime
 from services.reward import sandbox
 from services.reward.config import RewardConfig
-from services.reward.scoring import Scorer, decode_metadata
+from services.reward.scoring import Scorer
 from services.reward.verifiers import build_verifier, judge, verifier_names
 
 SCORED = prometheus_client.Counter("meshrl_reward_scored_total", "Trajectories scored")
@@ -30,9 +31,9 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
 
     async def Score(self, request, context):
         try:
-            task = decode_metadata(request.metadata)
+            task = grading.to_task(request.grading)
             verdict = await self.scorer.score_text_async(request.verifier, request.response, task)
-        except ValueError as exc:  # the message names the field: verifier, metadata, metadata.<key>...
+        except ValueError as exc:  # the message names the field: verifier, grading.<key>...
             field, _, problem = str(exc).partition(": ")
             await invalid_argument(context, field, problem)
         return reward_pb2.ScoreReply(reward=verdict.reward, detail=verdict.detail)

@@ -79,7 +79,7 @@ class VaryingRollout:
                 trajectory_id=f"{work.work_id}-{i}", group_id=work.group_id, task_id=work.task_id,
                 work_id=work.work_id, group_size=work.group_size, completion_ids=[5], versions=[work.issued_version],
                 behavior_logprobs=[-1.0], loss_mask=[1], reward=1.0 if n % 3 == 0 else float(i % 2), scored=True,
-                source="workflow", split=work.split, metadata=work.metadata)
+                source="workflow", split=work.split, grading=work.grading)
             await self.bus.publish(SUBJECT_TRAJ_SCORED, traj, traj.trajectory_id)
 
 

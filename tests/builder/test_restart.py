@@ -47,7 +47,7 @@ class FakeRollout:
                 trajectory_id=f"{work.work_id}-{i}", group_id=work.group_id, task_id=work.task_id,
                 work_id=work.work_id, group_size=work.group_size, completion_ids=[5], versions=[work.issued_version],
                 behavior_logprobs=[-1.0], loss_mask=[1], reward=1.0, scored=True, source="workflow", split=work.split,
-                metadata=work.metadata)
+                grading=work.grading)
             if work.group_id in self.hold and i == work.group_size - 1:
                 self.held.append(traj)
                 continue
@@ -168,13 +168,13 @@ async def test_scored_trajectories_the_builder_never_issued_are_dead_lettered(na
     builder = make_builder(bus)
     builder.live.set()
     stray = data_pb2.Trajectory(trajectory_id="x-0", group_id="g-999", group_size=2, source="workflow", split="train")
-    bad_eval = data_pb2.Trajectory(trajectory_id="e-0", group_id="e", group_size=1, split="eval", metadata=b"\xc1")
+    bad_eval = data_pb2.Trajectory(trajectory_id="e-0", group_id="e", group_size=1, split="eval")
     try:
         for traj in (stray, bad_eval):
             try:
                 await builder.handle_scored(traj, msg=None)
             except InvalidMessage as exc:
-                assert "group_id" in str(exc) or "metadata" in str(exc)
+                assert "group_id" in str(exc) or "grading.eval_round: missing" in str(exc)
             else:
                 raise AssertionError(f"{traj.trajectory_id} was accepted")
         assert builder.budget.in_flight == 0 and not builder.assembler.known

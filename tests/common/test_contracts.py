@@ -6,8 +6,7 @@ import filecmp
 import importlib.util
 import pathlib
 
-import msgpack
-
+from services.common import grading
 from services.common.contracts import data_pb2, weight_exchange_pb2
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -17,11 +16,11 @@ def test_trajectory_round_trip_keeps_per_token_fields():
     traj = data_pb2.Trajectory(
         trajectory_id="t-1", group_id="g", task_id="add-1-2", prompt_ids=[1, 2, 3], completion_ids=[4, 5],
         behavior_logprobs=[-0.5, -1.25], versions=[3, 4], loss_mask=[1, 1], reward=1.0, group_size=8,
-        metadata=msgpack.packb({"answer": "3"}), source="workflow")
+        grading=grading.to_proto({"answer": "3"}), source="workflow")
     back = data_pb2.Trajectory.FromString(traj.SerializeToString())
     assert back == traj
     assert list(back.versions) == [3, 4] and list(back.behavior_logprobs) == [-0.5, -1.25]
-    assert msgpack.unpackb(back.metadata) == {"answer": "3"}
+    assert grading.to_task(back.grading) == {"answer": "3"}
 
 
 def test_batch_event_and_layout_round_trip():

@@ -3,9 +3,9 @@ verdicts and early exits scoring nothing, option errors naming the field."""
 
 from __future__ import annotations
 
-import msgpack
 import pytest
 
+from services.common import grading
 from services.common.bus import InvalidMessage
 from services.common.contracts import data_pb2
 from services.reward.scoring import Scorer
@@ -127,16 +127,16 @@ def test_code_io_compares_output_tokens(code_io, response, options, reward, deta
 
 
 @pytest.mark.parametrize("name,task,field", [
-    ("code_tests", {}, "metadata.tests: missing"),
-    ("code_tests", {"tests": "def check(:"}, "metadata.tests: not valid Python"),
-    ("code_tests", {"tests": "assert 1", "entry_point": "a b"}, "metadata.entry_point"),
-    ("code_tests", {"tests": "assert 1", "verifier_options": {"partial": 1}}, "metadata.verifier_options.partial"),
-    ("code_tests", {"tests": "assert 1", "verifier_options": {"bogus": 1}}, "metadata.verifier_options.bogus"),
-    ("code_tests", {"tests": "assert 1", "verifier_options": {"timeout_s": 600}}, "metadata.verifier_options.timeout_s"),
-    ("code_tests", {"tests": "assert 1", "language": "cobol"}, "metadata.language"),
-    ("code_io", {}, "metadata.cases: missing"),
-    ("code_io", {"cases": [{"input": "1"}]}, "metadata.cases[0].output"),
-    ("code_io", {"cases": ["1"]}, "metadata.cases[0]"),
+    ("code_tests", {}, "grading.tests: missing"),
+    ("code_tests", {"tests": "def check(:"}, "grading.tests: not valid Python"),
+    ("code_tests", {"tests": "assert 1", "entry_point": "a b"}, "grading.entry_point"),
+    ("code_tests", {"tests": "assert 1", "verifier_options": {"partial": 1}}, "grading.verifier_options.partial"),
+    ("code_tests", {"tests": "assert 1", "verifier_options": {"bogus": 1}}, "grading.verifier_options.bogus"),
+    ("code_tests", {"tests": "assert 1", "verifier_options": {"timeout_s": 600}}, "grading.verifier_options.timeout_s"),
+    ("code_tests", {"tests": "assert 1", "language": "cobol"}, "grading.language"),
+    ("code_io", {}, "grading.cases: missing"),
+    ("code_io", {"cases": [{"input": "1"}]}, "grading.cases[0].output"),
+    ("code_io", {"cases": ["1"]}, "grading.cases[0]"),
 ])
 def test_bad_tasks_name_the_field(name, task, field):
     with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
@@ -146,13 +146,13 @@ def test_bad_tasks_name_the_field(name, task, field):
 def test_the_scorer_runs_code_verifiers_off_the_worker_pool():
     scorer = Scorer(lambda ids: "".join(map(chr, ids)), "math")
     assert not scorer.verifier("code_io").isolated  # the sandbox is its own subprocess: the scorer's thread waits
-    metadata = msgpack.packb({**IO_CASES, "verifier": "code_io"})
     ids = [ord(c) for c in ECHO_SUM]
     traj = data_pb2.Trajectory(trajectory_id="t-1", group_id="g", completion_ids=ids, versions=[0] * len(ids),
-                               behavior_logprobs=[-1.0] * len(ids), loss_mask=[1] * len(ids), metadata=metadata)
+                               behavior_logprobs=[-1.0] * len(ids), loss_mask=[1] * len(ids),
+                               grading=grading.to_proto({**IO_CASES, "verifier": "code_io"}))
     assert scorer.score(traj).reward == 1.0
-    bad = data_pb2.Trajectory(trajectory_id="t-2", metadata=msgpack.packb({"verifier": "code_io", "cases": []}))
-    with pytest.raises(InvalidMessage, match="metadata.cases"):
+    bad = data_pb2.Trajectory(trajectory_id="t-2", grading=grading.to_proto({"verifier": "code_io", "cases": []}))
+    with pytest.raises(InvalidMessage, match="grading.cases"):
         scorer.score(bad)
 
 

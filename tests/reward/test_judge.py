@@ -10,10 +10,10 @@ import re
 import socket
 import time
 
-import msgpack
 import pytest
 
 from launcher.processes import free_port
+from services.common import grading
 from services.common.config import ConfigError, load_config
 from services.common.contracts import data_pb2
 from services.reward.config import RewardConfig
@@ -178,7 +178,7 @@ def test_a_trajectory_is_scored_by_the_configured_judge(config, restore_configur
     scorer = Scorer(lambda ids: "The capital is Paris.", "math")
     traj = data_pb2.Trajectory(trajectory_id="t-judge", prompt_ids=[1, 2], completion_ids=[3, 4],
                                behavior_logprobs=[-0.1, -0.2], versions=[0, 0], loss_mask=[1, 1],
-                               metadata=msgpack.packb(TASK))
+                               grading=grading.to_proto(TASK))
     scored = asyncio.run(scorer.score_async(traj))
     assert scored.scored and scored.verifier == "llm_judge" and scored.reward == pytest.approx(0.8)
 
@@ -192,13 +192,13 @@ def test_an_unconfigured_judge_refuses_its_tasks_naming_the_field(restore_config
 
 
 @pytest.mark.parametrize("options,field", [
-    ({"temperature": 1.0}, "metadata.verifier_options.temperature: unknown option"),
-    ({"model": 3}, "metadata.verifier_options.model: must be str"),
-    ({"rubric": "no placeholder"}, "metadata.verifier_options.rubric: must contain {response}"),
-    ({"rubric": "{response} {secret}"}, "metadata.verifier_options.rubric: unknown placeholder {secret}"),
-    ({"rubric": "{response.__class__}"}, "metadata.verifier_options.rubric: unknown placeholder"),
-    ({"max_tokens": -1}, "metadata.verifier_options.max_tokens: must be >= 0"),
-    ("fast", "metadata.verifier_options: must be a map"),
+    ({"temperature": 1.0}, "grading.verifier_options.temperature: unknown option"),
+    ({"model": 3}, "grading.verifier_options.model: must be str"),
+    ({"rubric": "no placeholder"}, "grading.verifier_options.rubric: must contain {response}"),
+    ({"rubric": "{response} {secret}"}, "grading.verifier_options.rubric: unknown placeholder {secret}"),
+    ({"rubric": "{response.__class__}"}, "grading.verifier_options.rubric: unknown placeholder"),
+    ({"max_tokens": -1}, "grading.verifier_options.max_tokens: must be >= 0"),
+    ("fast", "grading.verifier_options: must be a map"),
 ])
 def test_bad_task_options_name_the_field(config, options, field):
     with pytest.raises(ValueError, match="^" + re.escape(field)):
@@ -206,7 +206,7 @@ def test_bad_task_options_name_the_field(config, options, field):
 
 
 def test_a_task_without_a_question_is_refused_unless_the_rubric_needs_none(config):
-    with pytest.raises(ValueError, match=r"^metadata\.question: missing"):
+    with pytest.raises(ValueError, match=r"^grading\.question: missing"):
         JudgeVerifier(config).check({"answer": "Paris"})
     JudgeVerifier(config).check({"prompt": "Capital of France?"})
     JudgeVerifier(config).check({"verifier_options": {"rubric": "Grade {response}"}})

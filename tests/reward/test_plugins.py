@@ -10,9 +10,9 @@ import subprocess
 import sys
 
 import grpc
-import msgpack
 import pytest
 
+from services.common import grading
 from services.common.contracts import reward_pb2, reward_pb2_grpc
 from services.common.deadletters import DeadLetterWatch
 from services.common.rpc import Servicer, channel, start_server
@@ -64,7 +64,7 @@ def test_the_plugin_scores_in_a_worker_with_a_deadline(pool):
 
 
 def test_the_plugins_own_check_names_the_field(pool):
-    with pytest.raises(ValueError, match="metadata.verifier_options.keywords"):
+    with pytest.raises(ValueError, match="grading.verifier_options.keywords"):
         scorer(pool).score_text("keywords", "Paris", {**TASK, "verifier_options": {}})
 
 
@@ -80,13 +80,13 @@ async def test_list_verifiers_and_score_over_grpc(pool):
             assert {"math", "exact", "regex", "keywords", "reasoning_gym:countdown"} <= set(names)
             assert names == sorted(names)
             reply = await stub.Score(reward_pb2.ScoreRequest(verifier="keywords", response="France",
-                                                             metadata=msgpack.packb(TASK)))
+                                                             grading=grading.to_proto(TASK)))
             assert reply.reward == 0.5
             for verifier, task, field in [("nope", TASK, "verifier: unknown 'nope'"),
-                                          ("regex", {"answer": "1"}, "metadata.verifier_options.pattern: missing")]:
+                                          ("regex", {"answer": "1"}, "grading.verifier_options.pattern: missing")]:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await stub.Score(reward_pb2.ScoreRequest(verifier=verifier, response="1",
-                                                             metadata=msgpack.packb(task)))
+                                                             grading=grading.to_proto(task)))
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith(field)
     finally:
         await rpc.stop()
@@ -101,7 +101,7 @@ def test_plugin_results_and_failures_are_adapted():
             return float(response)
 
     v = plugins.PluginVerifier("picky", Picky())
-    with pytest.raises(ValueError, match="metadata: refused by plugin 'picky' \\(KeyError"):
+    with pytest.raises(ValueError, match="grading: refused by plugin 'picky' \\(KeyError"):
         v.check({})
     assert v.score("0.25", {}).reward == 0.25
     with pytest.raises(RuntimeError, match="non-finite"):  # in a worker: an "error" verdict of 0

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import msgpack
 import pytest
 
+from services.common import grading
 from services.common.bus import InvalidMessage
 from services.common.contracts import data_pb2
 from services.reward.scoring import Scorer
@@ -30,17 +30,17 @@ def test_exact_verifier_and_errors_name_the_field():
     assert build_verifier("exact").score(" yes ", {"answer": "yes"}).reward == 1.0
     with pytest.raises(ValueError, match="verifier"):
         build_verifier("nope")
-    with pytest.raises(ValueError, match="metadata.answer"):
+    with pytest.raises(ValueError, match="grading.answer"):
         build_verifier("math").score("1", {})
-    with pytest.raises(ValueError, match="metadata.extract"):
+    with pytest.raises(ValueError, match="grading.extract"):
         build_verifier("math").score("1", {"answer": "1", "extract": "first_word"})
 
 
-def _traj(completion: list[int], meta: dict | bytes, n: int | None = None) -> data_pb2.Trajectory:
+def _traj(completion: list[int], meta: dict | data_pb2.Grading, n: int | None = None) -> data_pb2.Trajectory:
     n = len(completion) if n is None else n
     return data_pb2.Trajectory(trajectory_id="t", group_id="g", completion_ids=completion, versions=[0] * n,
                                behavior_logprobs=[0.0] * n, loss_mask=[1] * n,
-                               metadata=meta if isinstance(meta, bytes) else msgpack.packb(meta))
+                               grading=meta if isinstance(meta, data_pb2.Grading) else grading.to_proto(meta))
 
 
 def test_scorer_decodes_scores_and_keeps_everything_else():
@@ -54,8 +54,9 @@ def test_scorer_decodes_scores_and_keeps_everything_else():
 
 @pytest.mark.parametrize("traj,field", [
     (_traj([1, 2], {"answer": "1"}, n=1), "behavior_logprobs"),
-    (_traj([1], b"\xc1not msgpack"), "metadata"),
-    (_traj([1], {"verifier": "math"}), "metadata.answer"),
+    (_traj([1], data_pb2.Grading(verifier_options=b"\xc1not msgpack")), "grading.verifier_options: not msgpack"),
+    (_traj([1], data_pb2.Grading(answer="1", row=b"\x91\x01")), "grading.row: must be a msgpack map"),
+    (_traj([1], {"verifier": "math"}), "grading.answer"),
     (_traj([1], {"answer": "1", "verifier": "unknown"}), "verifier"),
 ])
 def test_bad_trajectories_are_invalid_messages_naming_the_field(traj, field):
@@ -64,14 +65,14 @@ def test_bad_trajectories_are_invalid_messages_naming_the_field(traj, field):
         scorer.score(traj)
 
 
-def test_the_verifier_comes_from_metadata_then_the_trajectory_then_the_default():
+def test_the_verifier_comes_from_grading_then_the_trajectory_then_the_default():
     scorer = Scorer(lambda ids: "Yes", "math")
     traj = _traj([1], {"answer": "yes", "verifier": "exact", "verifier_options": {"casefold": True}})
     assert scorer.score(traj).reward == 1.0 and scorer.score(traj).verifier == "exact"
     traj = _traj([1], {"answer": "yes", "verifier_options": {"casefold": True}})
     traj.verifier = "exact"
     assert scorer.score(traj).verifier == "exact"
-    with pytest.raises(InvalidMessage, match="metadata.verifier: unknown 'exactly'"):
+    with pytest.raises(InvalidMessage, match="grading.verifier: unknown 'exactly'"):
         scorer.score(_traj([1], {"answer": "yes", "verifier": "exactly"}))
     traj.verifier = "exactly"
     with pytest.raises(InvalidMessage, match="^verifier: unknown 'exactly'"):
@@ -89,7 +90,7 @@ def test_the_pool_config_names_the_bad_key():
 
 
 class _Fixed:
-    """A verifier that answers `metadata.reward` whatever the response: a buggy or forged verdict."""
+    """A verifier that answers `grading.reward` whatever the response: a buggy or forged verdict."""
 
     name, isolated = "fixed", False
 

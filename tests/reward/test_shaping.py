@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from services.common import grading
 from services.common.bus import InvalidMessage
 from services.common.contracts import data_pb2
 from services.reward.scoring import Scorer
@@ -38,27 +38,27 @@ def test_terms_add_to_the_correctness_reward(response, shaping, reward):
 def test_max_tokens_counts_completion_tokens_or_asks_for_a_counter():
     task = {"answer": "7", "shaping": [{"name": "length", "max_tokens": 2, "weight": 1.0}]}
     traj = data_pb2.Trajectory(trajectory_id="t", completion_ids=[55, 32, 32, 32], versions=[0] * 4,
-                               behavior_logprobs=[0.0] * 4, loss_mask=[1] * 4, metadata=msgpack.packb(task))
+                               behavior_logprobs=[0.0] * 4, loss_mask=[1] * 4, grading=grading.to_proto(task))
     assert scorer().score(traj).reward == pytest.approx(1.0 - 1.0)  # 4 tokens: twice the limit, the full penalty
-    with pytest.raises(ValueError, match="metadata.shaping: max_tokens needs a token count"):
+    with pytest.raises(ValueError, match="grading.shaping: max_tokens needs a token count"):
         scorer().score_text("exact", "7", task)
     assert scorer(count_tokens=lambda text: 3).score_text("exact", "7", task).reward == pytest.approx(0.5)
 
 
 @pytest.mark.parametrize("shaping,field", [
-    ({"name": "format"}, "metadata.shaping: must be a list"),
-    (["format"], r"metadata.shaping\[0\]: must be a map"),
-    ([FORMAT, {"name": "brevity"}], r"metadata.shaping\[1\].name: unknown 'brevity'"),
-    ([{"name": "format", "pattern": "("}], r"metadata.shaping\[0\].pattern: not a regular expression"),
-    ([{"name": "format", "weight": "high"}], r"metadata.shaping\[0\].weight: must be float"),
-    ([{"name": "length"}], r"metadata.shaping\[0\]: give one of max_chars, max_tokens"),
-    ([{"name": "length", "max_chars": 5, "max_tokens": 5}], r"metadata.shaping\[0\]: give one of"),
-    ([{"name": "length", "max_char": 5}], r"metadata.shaping\[0\].max_char: unknown option"),
+    ({"name": "format"}, "grading.shaping: must be a list"),
+    (["format"], r"grading.shaping\[0\]: must be a map"),
+    ([FORMAT, {"name": "brevity"}], r"grading.shaping\[1\].name: unknown 'brevity'"),
+    ([{"name": "format", "pattern": "("}], r"grading.shaping\[0\].pattern: not a regular expression"),
+    ([{"name": "format", "weight": "high"}], r"grading.shaping\[0\].weight: must be float"),
+    ([{"name": "length"}], r"grading.shaping\[0\]: give one of max_chars, max_tokens"),
+    ([{"name": "length", "max_chars": 5, "max_tokens": 5}], r"grading.shaping\[0\]: give one of"),
+    ([{"name": "length", "max_char": 5}], r"grading.shaping\[0\].max_char: unknown option"),
 ])
 def test_malformed_terms_are_invalid_messages_naming_the_entry(shaping, field):
     task = {"answer": "7", "shaping": shaping}
     traj = data_pb2.Trajectory(trajectory_id="t", completion_ids=[55], versions=[0], behavior_logprobs=[0.0],
-                               loss_mask=[1], metadata=msgpack.packb(task))
+                               loss_mask=[1], grading=grading.to_proto(task))
     with pytest.raises(InvalidMessage, match=field):
         scorer().score(traj)
 
@@ -76,7 +76,7 @@ _shaping = st.lists(st.dictionaries(st.sampled_from(["name", "pattern", "weight"
 @settings(max_examples=300, deadline=None)
 @given(task=st.dictionaries(_keys, _values, max_size=5), options=_options, shaping=_shaping,
        verifier=st.sampled_from(["exact", "regex", "reasoning_gym:chain_sum"]), response=st.text(max_size=40))
-def test_any_metadata_is_scored_or_refused_with_a_value_error(task, options, shaping, verifier, response):
+def test_any_grading_is_scored_or_refused_with_a_value_error(task, options, shaping, verifier, response):
     task = {**task, "verifier_options": options, "shaping": shaping}
     s = scorer(count_tokens=len)
     try:
@@ -85,6 +85,6 @@ def test_any_metadata_is_scored_or_refused_with_a_value_error(task, options, sha
             return  # checked only: its scorer runs in the worker pool (test_verifier_timeouts)
         verdict = s.score_text(verifier, response, task)
     except ValueError as exc:
-        assert str(exc).split(":")[0].startswith(("metadata", "verifier"))
+        assert str(exc).split(":")[0].startswith(("grading", "verifier"))
         return
     assert isinstance(verdict.reward, float)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import math
 
-import msgpack
 import pytest
 
+from services.common import grading
 from services.common.bus import InvalidMessage
 from services.common.contracts import data_pb2
 from services.reward.scoring import Scorer
@@ -24,7 +24,7 @@ def pool():
 
 def traj(**kw) -> data_pb2.Trajectory:
     base = dict(trajectory_id="t-1", group_id="g", completion_ids=[52, 50], versions=[0, 0], behavior_logprobs=[-1.0, -2.0],
-                loss_mask=[1, 1], metadata=msgpack.packb({"answer": "42", "extract": "last_number"}))
+                loss_mask=[1, 1], grading=grading.to_proto({"answer": "42", "extract": "last_number"}))
     base.update(kw)
     return data_pb2.Trajectory(**base)
 
@@ -32,7 +32,7 @@ def traj(**kw) -> data_pb2.Trajectory:
 def symbolic_traj(**kw) -> data_pb2.Trajectory:
     """Needs math-verify (0.5 against 1/2): scored in a worker, not by the verifier's in-process quick check."""
     return traj(completion_ids=[ord(c) for c in "0.5"], versions=[0] * 3, behavior_logprobs=[-1.0] * 3,
-                loss_mask=[1] * 3, metadata=msgpack.packb({"answer": "1/2", "extract": "last_number"}), **kw)
+                loss_mask=[1] * 3, grading=grading.to_proto({"answer": "1/2", "extract": "last_number"}), **kw)
 
 
 def test_a_verification_past_its_deadline_scores_zero_and_the_worker_is_replaced(pool):
@@ -64,7 +64,7 @@ async def test_scoring_keeps_the_event_loop_free(pool):
     ({"completion_ids": [-5, 1]}, "completion_ids"), ({"prompt_ids": [1, 10**6]}, "prompt_ids"),
     ({"behavior_logprobs": [math.nan, 0.0]}, "behavior_logprobs"), ({"loss_mask": [1, 7]}, "loss_mask"),
     ({"versions": [0, -9]}, "versions"), ({"trajectory_id": "a b"}, "trajectory_id"),
-    ({"metadata": msgpack.packb({"answer": "1", "extract": "nope"})}, "metadata.extract"),
+    ({"grading": grading.to_proto({"answer": "1", "extract": "nope"})}, "grading.extract"),
 ])
 def test_bad_trajectories_are_refused_before_any_verifier_runs(pool, bad, field):
     scorer = Scorer(lambda ids: "".join(map(chr, ids)), "math", vocab_size=1000, pool=pool)
@@ -87,11 +87,11 @@ def test_reasoning_gym_scorers_run_in_the_workers(pool):
     meta = {"answer": entry["answer"], "verifier": "reasoning_gym:basic_arithmetic", "rg_entry": entry}
     text = f"It is {entry['answer']}"
     scorer = Scorer(lambda ids: text, "math", timeout_s=30, pool=pool)
-    right = scorer.score(traj(metadata=msgpack.packb({**meta, "extract": "last_number"})))
+    right = scorer.score(traj(grading=grading.to_proto({**meta, "extract": "last_number"})))
     assert right.reward == 1.0 and right.verifier == "reasoning_gym:basic_arithmetic"
-    assert scorer.score(traj(metadata=msgpack.packb(meta))).reward < 1.0  # extract "all": the whole sentence
-    with pytest.raises(InvalidMessage, match="metadata.rg_entry: missing"):
-        scorer.score(traj(metadata=msgpack.packb({**meta, "rg_entry": None})))
+    assert scorer.score(traj(grading=grading.to_proto(meta))).reward < 1.0  # extract "all": the whole sentence
+    with pytest.raises(InvalidMessage, match="grading.rg_entry: missing"):
+        scorer.score(traj(grading=grading.to_proto({**meta, "rg_entry": None})))
 
 
 class CountingPool(VerifierPool):

@@ -56,12 +56,12 @@ def test_regex_prefers_a_group_named_answer_and_normalises_numbers():
 
 
 @pytest.mark.parametrize("options,field", [
-    ({}, "metadata.verifier_options.pattern: missing"),
-    ({"pattern": "("}, "metadata.verifier_options.pattern: not a regular expression"),
-    ({"pattern": "answer"}, "metadata.verifier_options.pattern: needs a capture group"),
-    ({"pattern": "(x)", "casefold": "yes"}, "metadata.verifier_options.casefold: must be bool"),
-    ({"pattern": "(x)", "ignore_case": True}, "metadata.verifier_options.ignore_case: unknown option"),
-    ("(x)", "metadata.verifier_options: must be a map"),
+    ({}, "grading.verifier_options.pattern: missing"),
+    ({"pattern": "("}, "grading.verifier_options.pattern: not a regular expression"),
+    ({"pattern": "answer"}, "grading.verifier_options.pattern: needs a capture group"),
+    ({"pattern": "(x)", "casefold": "yes"}, "grading.verifier_options.casefold: must be bool"),
+    ({"pattern": "(x)", "ignore_case": True}, "grading.verifier_options.ignore_case: unknown option"),
+    ("(x)", "grading.verifier_options: must be a map"),
 ])
 def test_regex_options_errors_name_the_field(options, field):
     with pytest.raises(ValueError, match=field.replace("(", r"\(")):
@@ -69,7 +69,7 @@ def test_regex_options_errors_name_the_field(options, field):
 
 
 def test_verifiers_without_options_refuse_them():
-    with pytest.raises(ValueError, match="metadata.verifier_options.pattern: unknown option"):
+    with pytest.raises(ValueError, match="grading.verifier_options.pattern: unknown option"):
         build_verifier("math").check({"answer": "1", "verifier_options": {"pattern": "(x)"}})
 
 
@@ -86,9 +86,9 @@ def test_reasoning_gym_families_score_with_their_own_scorer():
 
 
 @pytest.mark.parametrize("task,field", [
-    ({}, "metadata.rg_entry: missing"),
-    ({"rg_entry": {"question": "q", "answer": "a"}}, "metadata.rg_entry.metadata: missing"),
-    ({"rg_entry": {"question": "q", "answer": "a", "metadata": {}}, "extract": "first"}, "metadata.extract"),
+    ({}, "grading.rg_entry: missing"),
+    ({"rg_entry": {"question": "q", "answer": "a"}}, "grading.rg_entry.metadata: missing"),
+    ({"rg_entry": {"question": "q", "answer": "a", "metadata": {}}, "extract": "first"}, "grading.extract"),
 ])
 def test_reasoning_gym_tasks_are_checked(task, field):
     with pytest.raises(ValueError, match=field):

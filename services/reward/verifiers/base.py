@@ -72,7 +72,7 @@ def clamp(verdict: Verdict, bounds: tuple[float, float]) -> Verdict:
 def reference_answer(task: Mapping[str, Any]) -> str:
     answer = task.get("answer")
     if answer is None or str(answer) == "":
-        raise ValueError("metadata.answer: missing")
+        raise ValueError("grading.answer: missing")
     return str(answer)
 
 
@@ -82,7 +82,7 @@ EXTRACTS = ("last_number", "tag", "all")
 def extract_mode(task: Mapping[str, Any]) -> str:
     how = str(task.get("extract", "all"))
     if how not in EXTRACTS:
-        raise ValueError(f"metadata.extract: unknown {how!r} (known: {', '.join(EXTRACTS)})")
+        raise ValueError(f"grading.extract: unknown {how!r} (known: {', '.join(EXTRACTS)})")
     return how
 
 
@@ -102,7 +102,7 @@ def extract(response: str, how: str) -> str | None:
         return found[-1].strip() if found else None
     if how == "all":
         return response.strip()
-    raise ValueError(f"metadata.extract: unknown {how!r} (known: last_number, tag, all)")
+    raise ValueError(f"grading.extract: unknown {how!r} (known: last_number, tag, all)")
 
 
 def parse_options(cls: type[T], raw: Any, field: str) -> T:

@@ -23,12 +23,12 @@ class CodeOptions:
 
     def __post_init__(self) -> None:
         if not 0 <= self.timeout_s <= MAX_TIMEOUT_S:
-            raise ValueError(f"metadata.verifier_options.timeout_s: must be in [0, {MAX_TIMEOUT_S:g}], "
+            raise ValueError(f"grading.verifier_options.timeout_s: must be in [0, {MAX_TIMEOUT_S:g}], "
                              f"got {self.timeout_s}")
 
 
 def options(task: Mapping[str, Any]) -> CodeOptions:
-    return parse_options(CodeOptions, task.get("verifier_options"), "metadata.verifier_options")
+    return parse_options(CodeOptions, task.get("verifier_options"), "grading.verifier_options")
 
 
 def extract_code(response: str) -> str:
@@ -42,7 +42,7 @@ def extract_code(response: str) -> str:
 
 
 def task_field(task: Mapping[str, Any], key: str, default: Any = None) -> Any:
-    """`metadata.<key>`, else `metadata.row.<key>` (where a file dataset's per-row metadata object lands)."""
+    """`grading.<key>`, else `grading.row.<key>` (where a file dataset's per-row metadata object lands)."""
     if key in task:
         return task[key]
     row = task.get("row")
@@ -52,18 +52,18 @@ def task_field(task: Mapping[str, Any], key: str, default: Any = None) -> Any:
 def task_language(task: Mapping[str, Any]) -> str:
     name = task_field(task, "language", "python")
     if not isinstance(name, str):
-        raise ValueError(f"metadata.language: must be a string, got {name!r}")
+        raise ValueError(f"grading.language: must be a string, got {name!r}")
     try:
         language(name)
     except ValueError as exc:
-        raise ValueError(f"metadata.{exc}") from None
+        raise ValueError(f"grading.{exc}") from None
     return name
 
 
 def required_text(task: Mapping[str, Any], key: str) -> str:
     value = task_field(task, key)
     if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"metadata.{key}: missing (a non-empty string, in metadata or its row)")
+        raise ValueError(f"grading.{key}: missing (a non-empty string, in grading or its row)")
     return value
 
 

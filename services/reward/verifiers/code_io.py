@@ -20,18 +20,18 @@ MAX_CASES = 100
 def cases(task: Mapping[str, Any]) -> list[tuple[str, str]]:
     raw = task_field(task, "cases")
     if not isinstance(raw, list) or not raw:
-        raise ValueError("metadata.cases: missing (a list of {input, output} maps)")
+        raise ValueError("grading.cases: missing (a list of {input, output} maps)")
     if len(raw) > MAX_CASES:
-        raise ValueError(f"metadata.cases: at most {MAX_CASES}, got {len(raw)}")
+        raise ValueError(f"grading.cases: at most {MAX_CASES}, got {len(raw)}")
     out = []
     for i, case in enumerate(raw):
         if not isinstance(case, Mapping):
-            raise ValueError(f"metadata.cases[{i}]: must be a map with input and output")
+            raise ValueError(f"grading.cases[{i}]: must be a map with input and output")
         for key in ("input", "output"):
             if not isinstance(case.get(key), str):
-                raise ValueError(f"metadata.cases[{i}].{key}: missing (a string)")
+                raise ValueError(f"grading.cases[{i}].{key}: missing (a string)")
         if set(case) - {"input", "output"}:
-            raise ValueError(f"metadata.cases[{i}]: unknown keys {sorted(set(case) - {'input', 'output'})}")
+            raise ValueError(f"grading.cases[{i}]: unknown keys {sorted(set(case) - {'input', 'output'})}")
         out.append((case["input"], case["output"]))
     return out
 

@@ -101,16 +101,16 @@ class CodeTestsVerifier(SandboxedVerifier):
     def check(self, task: Mapping[str, Any]) -> None:
         options(task)
         if task_language(task) != "python":
-            raise ValueError("metadata.language: code_tests runs Python tests only")
+            raise ValueError("grading.language: code_tests runs Python tests only")
         try:
             ast.parse(required_text(task, "tests"))
         except SyntaxError as exc:
-            raise ValueError(f"metadata.tests: not valid Python ({exc.msg}, line {exc.lineno})") from None
+            raise ValueError(f"grading.tests: not valid Python ({exc.msg}, line {exc.lineno})") from None
         entry = task_field(task, "entry_point")
         if entry is not None and not (isinstance(entry, str) and _IDENTIFIER.fullmatch(entry)):
-            raise ValueError(f"metadata.entry_point: must be a function name, got {entry!r}")
+            raise ValueError(f"grading.entry_point: must be a function name, got {entry!r}")
         if not isinstance(task_field(task, "code_prefix", ""), str):
-            raise ValueError("metadata.code_prefix: must be a string")
+            raise ValueError("grading.code_prefix: must be a string")
 
     def score(self, response: str, task: Mapping[str, Any]) -> Verdict:
         self.check(task)

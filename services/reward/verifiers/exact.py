@@ -15,10 +15,10 @@ class ExactMatchVerifier:
 
     def check(self, task: Mapping[str, Any]) -> None:
         check_task(task)
-        parse_options(Normalization, task.get("verifier_options"), "metadata.verifier_options")
+        parse_options(Normalization, task.get("verifier_options"), "grading.verifier_options")
 
     def score(self, response: str, task: Mapping[str, Any]) -> Verdict:
-        norm = parse_options(Normalization, task.get("verifier_options"), "metadata.verifier_options")
+        norm = parse_options(Normalization, task.get("verifier_options"), "grading.verifier_options")
         gold = norm.apply(reference_answer(task))
         answer = extract(response, extract_mode(task))
         ok = answer is not None and norm.apply(answer) == gold

@@ -7,9 +7,9 @@ start-up by `configure()` (services/reward/server.py). The registry builds verif
 `configure()` still sees it); tests build `JudgeVerifier(config)` directly. With no judge configured (the default:
 `judge.base_url` empty) `check` refuses every task naming `llm_judge` with a ValueError naming `judge.base_url`.
 
-Per task, `metadata.verifier_options` may override `rubric`, `model` and `max_tokens`. The rubric is a
-`str.format` template over `{question}` (`metadata.question`, else `metadata.prompt`, else `rg_entry.question`),
-`{answer}` (`metadata.answer`, or "(none given)"), `{response}`, `{score_min}` and `{score_max}`.
+Per task, `grading.verifier_options` may override `rubric`, `model` and `max_tokens`. The rubric is a
+`str.format` template over `{question}` (`grading.question`, else `grading.prompt`, else `rg_entry.question`),
+`{answer}` (`grading.answer`, or "(none given)"), `{response}`, `{score_min}` and `{score_max}`.
 
 Failures never raise: an endpoint that cannot be reached, times out, or answers 429/5xx is retried `max_retries`
 times with exponential back-off (`backoff_s * 2**i`, at most `backoff_max_s`; no jitter, so it is predictable);
@@ -37,7 +37,7 @@ from services.reward.verifiers.base import Verdict, parse_options
 if TYPE_CHECKING:
     import openai  # imported when a judge first sends a request: the registry (and every worker) stays light
 
-FIELD = "metadata.verifier_options"
+FIELD = "grading.verifier_options"
 NO_KEY = "EMPTY"  # what the SDK is given when the endpoint needs no key (it refuses an empty one)
 PLACEHOLDERS = ("question", "answer", "response", "score_min", "score_max")
 DEFAULT_RUBRIC = """\
@@ -219,7 +219,7 @@ class JudgeVerifier:
             raise ValueError(f"{FIELD}.max_tokens: must be >= 0, got {options.max_tokens}")
         if "question" in self._placeholders(options.rubric or config.rubric or DEFAULT_RUBRIC) and \
                 question_of(task) is None:
-            raise ValueError("metadata.question: missing (the judge's rubric shows it; or metadata.prompt)")
+            raise ValueError("grading.question: missing (the judge's rubric shows it; or grading.prompt)")
         return config, options
 
     @staticmethod

@@ -30,7 +30,7 @@ class MathVerifier:
 
     def check(self, task: Mapping[str, Any]) -> None:
         check_task(task)
-        parse_options(NoOptions, task.get("verifier_options"), "metadata.verifier_options")
+        parse_options(NoOptions, task.get("verifier_options"), "grading.verifier_options")
 
     def quick(self, response: str, task: Mapping[str, Any]) -> Verdict | None:
         """The verdict when it needs no symbolic check (no answer; gold and answer both plain integers, which

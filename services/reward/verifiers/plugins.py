@@ -48,7 +48,7 @@ class PluginVerifier:
         except ValueError:
             raise
         except Exception as exc:  # noqa: BLE001 - a plugin that cannot read this task refuses it, naming itself
-            raise ValueError(f"metadata: refused by plugin {self.name!r} ({type(exc).__name__}: {exc})") from exc
+            raise ValueError(f"grading: refused by plugin {self.name!r} ({type(exc).__name__}: {exc})") from exc
 
     def score(self, response: str, task: Mapping[str, Any]) -> Verdict:
         result = self._score(response, task)

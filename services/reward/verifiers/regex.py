@@ -1,7 +1,7 @@
 """A regular expression pulls the answer out of the response (its last match; the group named "answer", else group
 1); the answer matches when it equals the reference after both are normalised the same way.
 
-`metadata.extract` does not apply: the pattern is the extraction. Inline flags such as `(?i)` or `(?s)` set
+`grading.extract` does not apply: the pattern is the extraction. Inline flags such as `(?i)` or `(?s)` set
 matching options. Patterns come from the run's dataset configuration (the operator's, over an authenticated bus, not
 the model's), so they run in-process; only the response is untrusted.
 """
@@ -16,7 +16,7 @@ from typing import Any
 from services.reward.verifiers.base import Verdict, parse_options, reference_answer
 from services.reward.verifiers.normalize import Normalization
 
-FIELD = "metadata.verifier_options"
+FIELD = "grading.verifier_options"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,8 +1,8 @@
 """`reasoning_gym:<family>`: the family's own scorer from the `reasoning-gym` package.
 
-The builder sends the generated entry in `metadata.rg_entry` ({question, answer, metadata}); the scorer reads it
+The builder sends the generated entry in `grading.rg_entry` ({question, answer, metadata}); the scorer reads it
 (many families check the answer against the entry's metadata, e.g. countdown's numbers and target). The response's
-answer is taken with `metadata.extract` (default "all"; reasoning-gym prompts usually ask for "tag").
+answer is taken with `grading.extract` (default "all"; reasoning-gym prompts usually ask for "tag").
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ def _score_fn(family: str) -> Callable[[str | None, dict[str, Any]], float]:
 def entry(task: Mapping[str, Any]) -> dict[str, Any]:
     value = task.get("rg_entry")
     if not isinstance(value, Mapping):
-        raise ValueError("metadata.rg_entry: missing (the generated reasoning-gym entry: question, answer, metadata)")
+        raise ValueError("grading.rg_entry: missing (the generated reasoning-gym entry: question, answer, metadata)")
     for key in ("question", "answer", "metadata"):
         if key not in value:
-            raise ValueError(f"metadata.rg_entry.{key}: missing")
+            raise ValueError(f"grading.rg_entry.{key}: missing")
     if not isinstance(value["metadata"], Mapping):
-        raise ValueError("metadata.rg_entry.metadata: must be a map")
+        raise ValueError("grading.rg_entry.metadata: must be a map")
     return dict(value)
 
 
@@ -56,7 +56,7 @@ class ReasoningGymVerifier:
     def check(self, task: Mapping[str, Any]) -> None:
         entry(task)
         extract_mode(task)
-        parse_options(NoOptions, task.get("verifier_options"), "metadata.verifier_options")
+        parse_options(NoOptions, task.get("verifier_options"), "grading.verifier_options")
 
     def score(self, response: str, task: Mapping[str, Any]) -> Verdict:
         answer = extract(response, extract_mode(task))

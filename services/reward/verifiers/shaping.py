@@ -1,4 +1,4 @@
-"""Shaping terms added to the correctness verifier's reward, from `metadata.shaping` (a list of maps):
+"""Shaping terms added to the correctness verifier's reward, from `grading.shaping` (a list of maps):
 
 - `{"name": "format", "pattern": ..., "weight": 0.1, "fullmatch": false}`: +weight when the response matches the
   pattern (default: an `<answer>...</answer>` span anywhere).
@@ -56,14 +56,14 @@ Term = FormatTerm | LengthTerm
 
 
 def parse_shaping(raw: Any) -> list[Term]:
-    """The terms of `metadata.shaping`; ValueError naming the entry and key for anything malformed."""
+    """The terms of `grading.shaping`; ValueError naming the entry and key for anything malformed."""
     if raw is None:
         return []
     if not isinstance(raw, list | tuple):
-        raise ValueError("metadata.shaping: must be a list of maps")
+        raise ValueError("grading.shaping: must be a list of maps")
     terms = []
     for i, item in enumerate(raw):
-        field = f"metadata.shaping[{i}]"
+        field = f"grading.shaping[{i}]"
         if not isinstance(item, Mapping):
             raise ValueError(f"{field}: must be a map")
         name = item.get("name")

@@ -71,7 +71,7 @@ def to_trajectories(work: data_pb2.PromptWork, seqs: list[Sequence]) -> list[dat
             group_size=work.group_size, prompt_ids=work.prompt_ids, completion_ids=seq.output_ids,
             behavior_logprobs=seq.logprobs, versions=seq.versions, loss_mask=[1] * len(seq.output_ids),
             finish_reason=seq.finish_reason, created_at=work.issued_at, generated_at=finished,
-            source="workflow", metadata=work.metadata, split=work.split, sampling=sampled,
+            source="workflow", grading=work.grading, split=work.split, sampling=sampled,
         )
         for i, seq in enumerate(seqs)
     ]

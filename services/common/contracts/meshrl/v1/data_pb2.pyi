@@ -50,7 +50,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class PromptWork(_message.Message):
-    __slots__ = ("work_id", "task_id", "group_id", "prompt_ids", "group_size", "sampling", "issued_version", "issued_at", "metadata", "split")
+    __slots__ = ("work_id", "task_id", "group_id", "prompt_ids", "group_size", "sampling", "issued_version", "issued_at", "split", "grading")
     WORK_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -59,8 +59,8 @@ class PromptWork(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     ISSUED_VERSION_FIELD_NUMBER: _ClassVar[int]
     ISSUED_AT_FIELD_NUMBER: _ClassVar[int]
-    METADATA_FIELD_NUMBER: _ClassVar[int]
     SPLIT_FIELD_NUMBER: _ClassVar[int]
+    GRADING_FIELD_NUMBER: _ClassVar[int]
     work_id: str
     task_id: str
     group_id: str
@@ -69,12 +69,44 @@ class PromptWork(_message.Message):
     sampling: SamplingParams
     issued_version: int
     issued_at: float
-    metadata: bytes
     split: str
-    def __init__(self, work_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., issued_version: _Optional[int] = ..., issued_at: _Optional[float] = ..., metadata: _Optional[bytes] = ..., split: _Optional[str] = ...) -> None: ...
+    grading: Grading
+    def __init__(self, work_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., issued_version: _Optional[int] = ..., issued_at: _Optional[float] = ..., split: _Optional[str] = ..., grading: _Optional[_Union[Grading, _Mapping]] = ...) -> None: ...
+
+class Grading(_message.Message):
+    __slots__ = ("answer", "question", "verifier", "extract", "verifier_options", "shaping", "rg_entry", "row", "extra", "eval_round")
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    QUESTION_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_FIELD_NUMBER: _ClassVar[int]
+    EXTRACT_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    SHAPING_FIELD_NUMBER: _ClassVar[int]
+    RG_ENTRY_FIELD_NUMBER: _ClassVar[int]
+    ROW_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_FIELD_NUMBER: _ClassVar[int]
+    EVAL_ROUND_FIELD_NUMBER: _ClassVar[int]
+    answer: str
+    question: str
+    verifier: str
+    extract: str
+    verifier_options: bytes
+    shaping: _containers.RepeatedCompositeFieldContainer[ShapingTerm]
+    rg_entry: bytes
+    row: bytes
+    extra: bytes
+    eval_round: int
+    def __init__(self, answer: _Optional[str] = ..., question: _Optional[str] = ..., verifier: _Optional[str] = ..., extract: _Optional[str] = ..., verifier_options: _Optional[bytes] = ..., shaping: _Optional[_Iterable[_Union[ShapingTerm, _Mapping]]] = ..., rg_entry: _Optional[bytes] = ..., row: _Optional[bytes] = ..., extra: _Optional[bytes] = ..., eval_round: _Optional[int] = ...) -> None: ...
+
+class ShapingTerm(_message.Message):
+    __slots__ = ("name", "options")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    options: bytes
+    def __init__(self, name: _Optional[str] = ..., options: _Optional[bytes] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("trajectory_id", "group_id", "task_id", "work_id", "group_size", "prompt_ids", "completion_ids", "behavior_logprobs", "versions", "loss_mask", "reward", "scored", "finish_reason", "created_at", "generated_at", "scored_at", "source", "metadata", "split", "verifier", "step_rewards", "sampling")
+    __slots__ = ("trajectory_id", "group_id", "task_id", "work_id", "group_size", "prompt_ids", "completion_ids", "behavior_logprobs", "versions", "loss_mask", "reward", "scored", "finish_reason", "created_at", "generated_at", "scored_at", "source", "metadata", "split", "verifier", "step_rewards", "sampling", "grading")
     TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +129,7 @@ class Trajectory(_message.Message):
     VERIFIER_FIELD_NUMBER: _ClassVar[int]
     STEP_REWARDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    GRADING_FIELD_NUMBER: _ClassVar[int]
     trajectory_id: str
     group_id: str
     task_id: str
@@ -119,7 +152,8 @@ class Trajectory(_message.Message):
     verifier: str
     step_rewards: _containers.RepeatedCompositeFieldContainer[StepReward]
     sampling: SamplingParams
-    def __init__(self, trajectory_id: _Optional[str] = ..., group_id: _Optional[str] = ..., task_id: _Optional[str] = ..., work_id: _Optional[str] = ..., group_size: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., completion_ids: _Optional[_Iterable[int]] = ..., behavior_logprobs: _Optional[_Iterable[float]] = ..., versions: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., scored: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., created_at: _Optional[float] = ..., generated_at: _Optional[float] = ..., scored_at: _Optional[float] = ..., source: _Optional[str] = ..., metadata: _Optional[bytes] = ..., split: _Optional[str] = ..., verifier: _Optional[str] = ..., step_rewards: _Optional[_Iterable[_Union[StepReward, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    grading: Grading
+    def __init__(self, trajectory_id: _Optional[str] = ..., group_id: _Optional[str] = ..., task_id: _Optional[str] = ..., work_id: _Optional[str] = ..., group_size: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., completion_ids: _Optional[_Iterable[int]] = ..., behavior_logprobs: _Optional[_Iterable[float]] = ..., versions: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., scored: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., created_at: _Optional[float] = ..., generated_at: _Optional[float] = ..., scored_at: _Optional[float] = ..., source: _Optional[str] = ..., metadata: _Optional[bytes] = ..., split: _Optional[str] = ..., verifier: _Optional[str] = ..., step_rewards: _Optional[_Iterable[_Union[StepReward, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., grading: _Optional[_Union[Grading, _Mapping]] = ...) -> None: ...
 
 class StepReward(_message.Message):
     __slots__ = ("end", "reward")

@@ -1,21 +1,22 @@
 from services.common.contracts.meshrl.v1 import common_pb2 as _common_pb2
+from services.common.contracts.meshrl.v1 import data_pb2 as _data_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("verifier", "response", "metadata")
+    __slots__ = ("verifier", "response", "grading")
     VERIFIER_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
-    METADATA_FIELD_NUMBER: _ClassVar[int]
+    GRADING_FIELD_NUMBER: _ClassVar[int]
     verifier: str
     response: str
-    metadata: bytes
-    def __init__(self, verifier: _Optional[str] = ..., response: _Optional[str] = ..., metadata: _Optional[bytes] = ...) -> None: ...
+    grading: _data_pb2.Grading
+    def __init__(self, verifier: _Optional[str] = ..., response: _Optional[str] = ..., grading: _Optional[_Union[_data_pb2.Grading, _Mapping]] = ...) -> None: ...
 
 class ScoreReply(_message.Message):
     __slots__ = ("reward", "detail")

@@ -26,6 +26,7 @@ from launcher.audit import audit_run
 from launcher.shutdown import SHUTDOWN
 from launcher.stack import SERVICES, Stack, health_check, lease_events, run
 from services.common.credentials import LEASED
+from services.common.errors import FieldError
 
 TARGETS = (*SERVICES, "nats")
 
@@ -43,12 +44,12 @@ def schedule(seed: int, total_steps: int, *, kills: int | None = None,
     is hit at least once when kills >= len(services)."""
     for s in services:
         if s not in TARGETS:
-            raise ValueError(f"services: unknown {s!r} (known: {', '.join(TARGETS)})")
+            raise FieldError("services", f"unknown {s!r} (known: {', '.join(TARGETS)})")
     if not services:
-        raise ValueError("services: empty")
+        raise FieldError("services", "empty")
     n = len(services) if kills is None else kills
     if n < 0:
-        raise ValueError(f"kills: must be >= 0, got {n}")
+        raise FieldError("kills", f"must be >= 0, got {n}")
     rng = random.Random(seed)
     order: list[str] = []
     while len(order) < n:
@@ -173,7 +174,7 @@ class Filler(threading.Thread):
         try:
             info = await js.stream_info("TRAJ")
             if not info.config.max_bytes or info.config.max_bytes < 0:
-                raise ValueError("fill: TRAJ has no byte cap (nats_max_bytes -1)")
+                raise FieldError("fill", "TRAJ has no byte cap (nats_max_bytes -1)")
             while (await js.stream_info("TRAJ")).state.bytes < self.fraction * info.config.max_bytes:
                 for _ in range(16):
                     n = await self._publish(js, chunk, n)
@@ -201,11 +202,11 @@ class Filler(threading.Thread):
 
 def check_fill(fraction: float, churn: float) -> None:
     if not 0.0 <= fraction < 1.0:
-        raise ValueError(f"fill: a fraction of TRAJ's byte cap in [0, 1), got {fraction}")
+        raise FieldError("fill", f"a fraction of TRAJ's byte cap in [0, 1), got {fraction}")
     if churn < 0:
-        raise ValueError(f"churn: bytes a second, >= 0, got {churn}")
+        raise FieldError("churn", f"bytes a second, >= 0, got {churn}")
     if churn and not fraction:
-        raise ValueError("churn: needs fill (the stream must be near its cap to turn over)")
+        raise FieldError("churn", "needs fill (the stream must be near its cap to turn over)")
 
 
 async def stream_state(nats_url: str, options: dict, stream: str = "TRAJ") -> dict:
@@ -236,11 +237,11 @@ def chaos(config: str = "configs/chaos.yaml", *, seed: int = 0, kills: int | Non
     derived = RunConfig.load(config, root=ROOT).derive(seed=model_seed)  # what `run` derives from the same file
     total, eta = derived.total_steps, derived.eta
     if total < 4:
-        raise ValueError(f"total_steps: a chaos run needs at least 4, got {total}")
+        raise FieldError("total_steps", f"a chaos run needs at least 4, got {total}")
     plan = schedule(seed, total, kills=kills, services=services)
     for service in standby:
         if service not in LEASED:
-            raise ValueError(f"standby: {service!r} is not a single-active service (one of {', '.join(LEASED)})")
+            raise FieldError("standby", f"{service!r} is not a single-active service (one of {', '.join(LEASED)})")
     check_fill(fill, churn)
     holder: dict = {}
 

@@ -18,6 +18,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 
+from services.common.errors import FieldError
 from services.common.net import free_port
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -130,7 +131,7 @@ class NatsServer:
                  routes: Sequence[str] = (), authorization: dict | None = None,
                  config_path: pathlib.Path | None = None, route_auth: tuple[str, str] | None = None) -> None:
         if authorization is not None and config_path is None:
-            raise ValueError("config_path: required with authorization")
+            raise FieldError("config_path", "required with authorization")
         self.store = store
         self.authorization = authorization
         self.config_path = config_path
@@ -255,9 +256,9 @@ class NatsCluster:
         ports = list(ports) if ports else [free_port() for _ in range(size)]
         cluster_ports = list(cluster_ports) if cluster_ports else [free_port() for _ in range(size)]
         if len(ports) != size:
-            raise ValueError(f"ports: need {size}, got {len(ports)}")
+            raise FieldError("ports", f"need {size}, got {len(ports)}")
         if len(cluster_ports) != size:
-            raise ValueError(f"cluster_ports: need {size}, got {len(cluster_ports)}")
+            raise FieldError("cluster_ports", f"need {size}, got {len(cluster_ports)}")
         if len(set(ports) | set(cluster_ports)) != 2 * size:
             raise ValueError(f"ports, cluster_ports: must be {2 * size} distinct ports, got {ports} and {cluster_ports}")
         self.store = store

@@ -32,6 +32,7 @@ import yaml
 
 from launcher.runfile import UP_DEFAULTS, WIRING, check_wiring, fill
 from services.common.config import ConfigError, build_config, config_values
+from services.common.errors import FieldError
 
 SERVICES = ("weight_exchange", "reward", "builder", "trainer", "rollout")
 CONFIG_CLASSES = {"builder": "services.builder.config:BuilderConfig",
@@ -86,7 +87,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+            raise FieldError("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device:
             from services.common.device import check_device
 
@@ -118,10 +119,10 @@ class RunConfig:
         if not path.is_absolute() and not path.exists():
             path = root / path
         if not path.is_file():
-            raise ValueError(f"config: no such file {str(config)!r}")
+            raise FieldError("config", f"no such file {str(config)!r}")
         values = yaml.safe_load(path.read_text()) or {}
         if not isinstance(values, dict):
-            raise ValueError(f"config: {config} is not a mapping of settings")
+            raise FieldError("config", f"{config} is not a mapping of settings")
         dataset = values.get("dataset")
         if isinstance(dataset, dict):
             for key in ("train", "eval"):
@@ -131,7 +132,7 @@ class RunConfig:
         try:
             return cls.from_dict(values)
         except ConfigError as exc:
-            raise ConfigError(f"{exc} (in {path})") from None
+            raise ConfigError(exc.field, f"{exc.problem} (in {path})") from None
 
     def to_dict(self) -> dict[str, Any]:
         return config_values(self)
@@ -165,7 +166,7 @@ class RunConfig:
         for service in SERVICES:
             check_wiring(service, sections[service], [k for k in wiring.get(service, {}) if k in WIRING])
         if self.dataset is not None and sections["builder"].get("dataset") is not None:
-            raise ConfigError("services.builder.dataset: the run's dataset is the top-level `dataset`; "
+            raise ConfigError("services.builder.dataset", "the run's dataset is the top-level `dataset`; "
                               "set it there only")
         values = {}
         for service in SERVICES:
@@ -185,7 +186,7 @@ class RunConfig:
         for (owner, owner_key), (follower, key) in ONE_SOURCE:
             value, mine = _get(builder, owner_key), _get(sections[follower], key)
             if mine is not None and mine != value:
-                raise ConfigError(f"services.{follower}.{key}: {mine!r} differs from services.{owner}.{owner_key} "
+                raise ConfigError(f"services.{follower}.{key}", f"{mine!r} differs from services.{owner}.{owner_key} "
                                   f"({value!r}); it is set once, as services.{owner}.{owner_key}")
             _set(values[follower], key, value)
         configs.update({s: build_config(config_class(s), values[s], f"services.{s}") for s in SERVICES

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 
+from services.common.errors import FieldError
+
 # service section key -> what sets it instead
 WIRING = {"nats_url": "the stack's nats-server (--nats for a cluster)",
           "grpc_address": "the stack's ports",
@@ -44,14 +46,14 @@ def check_wiring(service: str, section: dict | None, keys: list[str]) -> None:
     section = section or {}
     for key in keys:
         if section.get(key) is not None:
-            raise ValueError(f"services.{service}.{key}: set by the launcher from {WIRING[key]}; "
+            raise FieldError(f"services.{service}.{key}", f"set by the launcher from {WIRING[key]}; "
                              "leave it out of the run file")
     if service != "rollout":
         return
     for (outer, inner), source in ROLLOUT_WIRING.items():
         nested = section.get(outer)
         if isinstance(nested, dict) and nested.get(inner) is not None:
-            raise ValueError(f"services.rollout.{outer}.{inner}: set by the launcher from {source}; "
+            raise FieldError(f"services.rollout.{outer}.{inner}", f"set by the launcher from {source}; "
                              "leave it out of the run file")
 
 

@@ -28,6 +28,7 @@ from launcher.supervisor import Backoff, Supervisor, pid_alive
 from launcher.watch import watch_run
 from services.common.auth import OPERATOR
 from services.common.credentials import LEASED, RunCredentials
+from services.common.errors import FieldError
 from services.common.net import free_ports
 from services.rollout.gateway.config import ADMIN_KEY_FILE
 
@@ -65,7 +66,7 @@ assert tuple(MODELS) == BUILT_IN_MODELS  # the run config tells built-in models 
 def ensure_model(name: str, seed: int) -> pathlib.Path:
     """The SFT-warm-started tiny model for this seed, built locally once and cached."""
     if name not in MODELS:
-        raise ValueError(f"model: unknown {name!r} (known: {', '.join(MODELS)})")
+        raise FieldError("model", f"unknown {name!r} (known: {', '.join(MODELS)})")
     path = ROOT / "artifacts" / "models" / f"{name}-seed{seed}"
     if not (path / "model.safetensors").exists():
         print(f"building {path.relative_to(ROOT)} (tokenizer, model, SFT warm start; one line per held-out "
@@ -79,7 +80,7 @@ def resolve_model(model: str, seed: int) -> pathlib.Path:
     """A run config's `model`: a built-in name (built once per seed) or a Hugging Face model directory (absolute,
     or relative to the working directory, else to the repository), checked for its config, weights and tokenizer."""
     if not isinstance(model, str) or not model:
-        raise ValueError(f"model: a built-in name ({', '.join(MODELS)}) or a model directory, got {model!r}")
+        raise FieldError("model", f"a built-in name ({', '.join(MODELS)}) or a model directory, got {model!r}")
     if model in MODELS:
         return ensure_model(model, seed)
     path = pathlib.Path(model).expanduser()
@@ -87,10 +88,10 @@ def resolve_model(model: str, seed: int) -> pathlib.Path:
         path = path if path.exists() else ROOT / path
     path = path.resolve()
     if not path.is_dir():
-        raise ValueError(f"model: {model!r} is neither a built-in name ({', '.join(MODELS)}) nor a directory")
+        raise FieldError("model", f"{model!r} is neither a built-in name ({', '.join(MODELS)}) nor a directory")
     missing = [what for what, names in MODEL_FILES.items() if not any((path / n).exists() for n in names)]
     if missing:
-        raise ValueError(f"model: {path} is not a Hugging Face model directory: no {' and no '.join(missing)}")
+        raise FieldError("model", f"{path} is not a Hugging Face model directory: no {' and no '.join(missing)}")
     return path
 
 
@@ -116,7 +117,7 @@ class Stack:
     def __init__(self, run_dir: pathlib.Path, ports: dict[str, int], *, nats_mode: str = "single",
                  rng: random.Random | None = None, policy: Backoff | None = None, secure: bool = True) -> None:
         if nats_mode not in NATS_MODES:
-            raise ValueError(f"nats_mode: must be one of {', '.join(NATS_MODES)}, got {nats_mode!r}")
+            raise FieldError("nats_mode", f"must be one of {', '.join(NATS_MODES)}, got {nats_mode!r}")
         self.run_dir = run_dir
         self.ports = ports
         self.nats_mode = nats_mode
@@ -209,7 +210,7 @@ class Stack:
         if name in SERVICES or name in self.nats_children or name in self.standbys.values():
             return name
         known = (*SERVICES, *self.standbys.values(), *self.nats_children)
-        raise ValueError(f"name: unknown {name!r} (one of {', '.join(known)}, nats)")
+        raise FieldError("name", f"unknown {name!r} (one of {', '.join(known)}, nats)")
 
     # a second instance of a single-active service (chaos): one of the two serves, the other waits for the lease
 
@@ -219,9 +220,9 @@ class Stack:
         (services.common.lease), so the one address always reaches the active instance and the peers, the health
         checks and the report need no change. Its log is logs/<service>-standby.log. Returns its supervised name."""
         if service not in LEASED:
-            raise ValueError(f"standby: {service!r} is not a single-active service (one of {', '.join(LEASED)})")
+            raise FieldError("standby", f"{service!r} is not a single-active service (one of {', '.join(LEASED)})")
         if service in self.standbys:
-            raise ValueError(f"standby: {service} has a second instance already")
+            raise FieldError("standby", f"{service} has a second instance already")
         name = f"{service}-standby"
         self.supervisor.add(name, self._spawner(service, self.config_files[service], detach=False, name=name))
         self.standbys[service] = name

@@ -20,6 +20,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from services.common.errors import FieldError
+
 
 @dataclasses.dataclass(frozen=True)
 class Backoff:
@@ -35,18 +37,18 @@ class Backoff:
 
     def __post_init__(self) -> None:
         if not self.initial > 0:
-            raise ValueError(f"initial: must be > 0, got {self.initial}")
+            raise FieldError("initial", f"must be > 0, got {self.initial}")
         if not self.factor >= 1:
-            raise ValueError(f"factor: must be >= 1, got {self.factor}")
+            raise FieldError("factor", f"must be >= 1, got {self.factor}")
         if not self.cap >= self.initial:
-            raise ValueError(f"cap: must be >= initial ({self.initial}), got {self.cap}")
+            raise FieldError("cap", f"must be >= initial ({self.initial}), got {self.cap}")
         if not self.reset_after >= 0:
-            raise ValueError(f"reset_after: must be >= 0, got {self.reset_after}")
+            raise FieldError("reset_after", f"must be >= 0, got {self.reset_after}")
 
     def delay(self, failures: int) -> float:
         """The wait before the restart that follows `failures` earlier quick failures in a row (0 for the first)."""
         if failures < 0:
-            raise ValueError(f"failures: must be >= 0, got {failures}")
+            raise FieldError("failures", f"must be >= 0, got {failures}")
         if failures >= 64:  # factor ** failures would overflow long after the cap was reached
             return self.cap
         return min(self.cap, self.initial * self.factor**failures)
@@ -116,7 +118,7 @@ class Supervisor:
         """Supervise `name`: adopt `proc` when given (already started by `spawn`), else spawn it now."""
         with self._lock:
             if name in self._children:
-                raise ValueError(f"name: {name!r} is supervised already")
+                raise FieldError("name", f"{name!r} is supervised already")
             child = Child(name, spawn, RestartTracker(self.policy))
             child.proc = proc if proc is not None else spawn()
             child.tracker.started(self.clock())
@@ -164,7 +166,7 @@ class Supervisor:
         try:
             return self._children[name]
         except KeyError:
-            raise ValueError(f"name: unknown {name!r} (supervised: {', '.join(self._children) or 'none'})") from None
+            raise FieldError("name", f"unknown {name!r} (supervised: {', '.join(self._children) or 'none'})") from None
 
     # supervision
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from services.common.contracts import data_pb2
+from services.common.errors import FieldError
 
 
 @dataclasses.dataclass
@@ -25,9 +26,9 @@ class _Window:
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
-            raise ValueError(f"batch_size: must be >= 1, got {self.batch_size}")
+            raise FieldError("batch_size", f"must be >= 1, got {self.batch_size}")
         if self.max_staleness < 0:
-            raise ValueError(f"max_staleness: must be >= 0, got {self.max_staleness}")
+            raise FieldError("max_staleness", f"must be >= 0, got {self.max_staleness}")
 
     @property
     def limit(self) -> int:

@@ -7,6 +7,7 @@ import dataclasses
 from services.builder.datasets import DatasetConfig
 from services.builder.tasks import SamplingConfig
 from services.common.config import ServiceConfig, check_lease_seconds
+from services.common.errors import FieldError
 
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -35,17 +36,17 @@ class BuilderConfig(ServiceConfig):
 
     def __post_init__(self) -> None:
         if self.source not in ("dataset", "online"):
-            raise ValueError(f"source: must be 'dataset' or 'online', got {self.source!r}")
+            raise FieldError("source", f"must be 'dataset' or 'online', got {self.source!r}")
         for name in ("batch_size", "group_size"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+                raise FieldError(name, f"must be >= 1, got {getattr(self, name)}")
         if not 0.0 < self.max_abs_reward <= FLOAT32_MAX:
-            raise ValueError(f"max_abs_reward: must be in (0, {FLOAT32_MAX:.8g}] (rewards travel as float32), "
+            raise FieldError("max_abs_reward", f"must be in (0, {FLOAT32_MAX:.8g}] (rewards travel as float32), "
                              f"got {self.max_abs_reward}")
         check_lease_seconds(self.lease_seconds)
         if not self.final_checkpoint_timeout_s >= 0:
-            raise ValueError(f"final_checkpoint_timeout_s: must be >= 0, got {self.final_checkpoint_timeout_s}")
+            raise FieldError("final_checkpoint_timeout_s", f"must be >= 0, got {self.final_checkpoint_timeout_s}")
         if not self.group_timeout_s > 0:
-            raise ValueError(f"group_timeout_s: must be > 0, got {self.group_timeout_s}")
+            raise FieldError("group_timeout_s", f"must be > 0, got {self.group_timeout_s}")
         if self.max_staleness < 0:
-            raise ValueError(f"max_staleness: must be >= 0, got {self.max_staleness}")
+            raise FieldError("max_staleness", f"must be >= 0, got {self.max_staleness}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from services.common.errors import FieldError
+
 
 @dataclasses.dataclass
 class EvalRound:
@@ -27,7 +29,7 @@ class EvalRound:
 class EvalTracker:
     def __init__(self, every: int) -> None:
         if every < 0:
-            raise ValueError(f"eval_every: must be >= 0, got {every}")
+            raise FieldError("eval_every", f"must be >= 0, got {every}")
         self.every = every
         self.rounds: dict[int, EvalRound] = {}
         self._evaluated: set[int] = set()

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from services.common.contracts import data_pb2
+from services.common.errors import FieldError
 from services.common.staleness import oldest_version, staleness
 
 
@@ -47,7 +48,7 @@ def check_rewards(traj: data_pb2.Trajectory, max_abs: float) -> None:
                                           for k, s in enumerate(traj.step_rewards))]
     for field, reward in rewards:
         if not math.isfinite(reward) or abs(reward) > max_abs:
-            raise ValueError(f"{field}: {reward!r} is not a finite number within [-{max_abs:g}, {max_abs:g}] "
+            raise FieldError(field, f"{reward!r} is not a finite number within [-{max_abs:g}, {max_abs:g}] "
                              "(max_abs_reward)")
 
 
@@ -67,7 +68,7 @@ class GroupAssembler:
     def add(self, traj: data_pb2.Trajectory, ack: Any = None) -> Group | None:
         """Returns the group when this trajectory completed it. A trajectory seen before is ignored."""
         if traj.group_size < 1:
-            raise ValueError(f"group_size: must be >= 1, got {traj.group_size}")
+            raise FieldError("group_size", f"must be >= 1, got {traj.group_size}")
         group = self.known.get(traj.group_id)
         if group is None:
             group = self.open[traj.group_id] = self.known[traj.group_id] = Group(traj.group_id, traj.group_size)

@@ -31,6 +31,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolic
 
 from services.common.config import DEFAULT_MAX_BYTES
 from services.common.contracts import data_pb2
+from services.common.errors import FieldError
 from services.common.ids import now
 from services.common.logging import get_logger
 from services.common.runtime import Backoff
@@ -126,7 +127,7 @@ def declared_consumers(user: str) -> tuple[str, ...] | None:
 
 def check_max_bytes(max_bytes: int) -> None:
     if max_bytes != -1 and max_bytes < MIN_MAX_BYTES:
-        raise ValueError(f"nats_max_bytes: {max_bytes} is under the least budget {MIN_MAX_BYTES} bytes "
+        raise FieldError("nats_max_bytes", f"{max_bytes} is under the least budget {MIN_MAX_BYTES} bytes "
                          "(or -1: no byte caps)")
 
 
@@ -171,7 +172,7 @@ class Bus:
         log = get_logger().bind(nats=name)
         servers = [u.strip() for u in url.split(",") if u.strip()]
         if not servers:
-            raise ValueError("nats_url: empty")
+            raise FieldError("nats_url", "empty")
         check_max_bytes(max_bytes)
         auth: dict = {}
         if user:
@@ -248,7 +249,7 @@ class Bus:
                 # a cluster forming or a node restarting: retried
                 raise PeersOffline(f"stream {config.name}: {exc.description}") from exc
             if exc.err_code == NO_SUITABLE_PEERS:
-                raise ValueError(f"nats_replicas: JetStream cannot place {self.replicas} replicas of stream "
+                raise FieldError("nats_replicas", f"JetStream cannot place {self.replicas} replicas of stream "
                                  f"{config.name} ({exc.description}); use at most the cluster's node count") from exc
             if exc.err_code == STREAM_IN_USE and not self.may_update_streams:  # the builder's settings stand
                 get_logger().warning("stream_settings_differ", stream=config.name, error=exc.description,

@@ -10,13 +10,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
-import re
 import types
 import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import yaml
+
+from services.common.errors import FieldError, field_error
 
 T = TypeVar("T")
 
@@ -28,12 +29,12 @@ MIN_LEASE_SECONDS = 3.0  # a single-active service's lease (services.common.leas
 
 def check_lease_seconds(seconds: float) -> float:
     if not seconds >= MIN_LEASE_SECONDS:
-        raise ValueError(f"lease_seconds: must be >= {MIN_LEASE_SECONDS}, got {seconds!r}")
+        raise FieldError("lease_seconds", f"must be >= {MIN_LEASE_SECONDS}, got {seconds!r}")
     return float(seconds)
 
 
-class ConfigError(ValueError):
-    """A configuration key is unknown or has the wrong type."""
+class ConfigError(FieldError):
+    """A configuration key is unknown or has the wrong type (or its config's own check refused it)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -76,7 +77,7 @@ def load_config(cls: type[T], service: str, *, path: str | os.PathLike | None = 
     if path:
         loaded = yaml.safe_load(pathlib.Path(path).read_text()) or {}
         if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: top level must be a mapping")
+            raise ConfigError(str(path), "top level must be a mapping")
         _merge(values, loaded)
     for key, raw in env.items():
         if key.startswith(prefix):
@@ -105,7 +106,7 @@ def _merge(dst: dict[str, Any], src: Mapping[str, Any]) -> None:
 def build_config(cls: type[T], values: Mapping[str, Any], where: str = "") -> T:
     """`cls` from a mapping of settings; ConfigError naming the key path below `where` ("" at the top level)."""
     if not isinstance(values, Mapping):
-        raise ConfigError(f"{where or 'config'}: expected a mapping, got {values!r}")
+        raise ConfigError(f"{where or 'config'}", f"expected a mapping, got {values!r}")
     return _build(cls, values, where)
 
 
@@ -136,37 +137,29 @@ def _build(cls: type[T], values: Mapping[str, Any], where: str) -> T:
     kwargs = {}
     for key, value in values.items():
         if key not in fields:
-            raise ConfigError(f"{_path(where, key)}: unknown key (known: {', '.join(sorted(fields))})")
+            raise ConfigError(_path(where, key), f"unknown key (known: {', '.join(sorted(fields))})")
         kwargs[key] = _coerce(hints[key], value, _path(where, key))
     try:
         return cls(**kwargs)
     except ConfigError:
         raise
     except ValueError as exc:
-        raise ConfigError(_within(where, str(exc))) from exc
+        raise _within(where, exc) from exc
 
 
-_FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
-
-
-def _within(where: str, message: str) -> str:
-    """A config's own check ("algo: unknown preset ...") named from the top: "services.trainer.algo: ..."."""
-    if not where:
-        return message
-    field = _FIELD.match(message)
-    if not field:
-        return f"{where}: {message}"
-    last = where.rsplit(".", 1)[-1]
-    if message.startswith(f"{last}."):   # a nested config that names itself ("engine.dtype: ...")
-        message = message[len(last) + 1:]
-    return f"{where}.{message}"
+def _within(where: str, exc: ValueError) -> ConfigError:
+    """A config's own check ("algo: unknown preset ...") named from the top: "services.trainer.algo: ..."; a
+    ValueError that names no field is the problem of the config at ``where``."""
+    found = field_error(exc)
+    inner = found.within(where) if found is not None else FieldError(where or "config", str(exc))
+    return ConfigError(inner.field, inner.problem)
 
 
 def _coerce(hint: Any, value: Any, where: str) -> Any:
     origin = typing.get_origin(hint)
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+            raise ConfigError(where, f"expected a mapping, got {value!r}")
         return _build(hint, value, where)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(hint)
@@ -179,39 +172,39 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
             try:
                 return _coerce(arg, value, where)
             except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
+                errors.append(exc)
+        raise errors[0] if errors else ConfigError(where, f"bad value {value!r}")
     if origin is typing.Literal:
         if value not in typing.get_args(hint):
-            raise ConfigError(f"{where}: expected one of {typing.get_args(hint)}, got {value!r}")
+            raise ConfigError(where, f"expected one of {typing.get_args(hint)}, got {value!r}")
         return value
     if origin in (list, tuple):
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, list | tuple):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
+            raise ConfigError(where, f"expected a list, got {value!r}")
         (item,) = typing.get_args(hint)[:1] or (Any,)
         return [_coerce(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+            raise ConfigError(where, f"expected a mapping, got {value!r}")
         return dict(value)
     if hint is Any:
         return value
     if hint is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        raise ConfigError(where, f"expected true/false, got {value!r}")
     if hint is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
-        raise ConfigError(f"{where}: expected a number, got {value!r}")
+        raise ConfigError(where, f"expected a number, got {value!r}")
     if hint is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        raise ConfigError(where, f"expected an integer, got {value!r}")
     if hint is str:
         if isinstance(value, str | int | float) and not isinstance(value, bool):
             return str(value)
-        raise ConfigError(f"{where}: expected a string, got {value!r}")
-    raise ConfigError(f"{where}: unsupported type {hint!r}")
+        raise ConfigError(where, f"expected a string, got {value!r}")
+    raise ConfigError(where, f"unsupported type {hint!r}")

@@ -19,6 +19,7 @@ import secrets
 
 from services.common.auth import IDENTITIES, OPERATOR, SERVICES, read_secret, token_digest
 from services.common.bus import CONSUMERS, STREAMS, inbox_for
+from services.common.errors import FieldError
 
 ROUTE_USER = "route"
 GATEWAY_ADMIN_KEY = "gateway_admin_key"  # services.rollout.gateway.config.ADMIN_KEY_FILE's name
@@ -164,7 +165,7 @@ def nats_permissions(identity: str) -> dict:
     if identity == OPERATOR:
         return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
     if identity not in SERVICES:
-        raise ValueError(f"identity: unknown {identity!r}")
+        raise FieldError("identity", f"unknown {identity!r}")
     streams = _stream_names()
     pub = [f"{JS}.INFO", *(f"{JS}.STREAM.CREATE.{s}" for s in streams), *(f"{JS}.STREAM.INFO.{s}" for s in streams),
            *_own_durable(identity)]
@@ -196,7 +197,7 @@ def grant_files(creds: RunCredentials, identity: str) -> list[pathlib.Path]:
     """The files a process running as `identity` needs, and nothing of another identity's: its gRPC token and NATS
     password, the peers' digests, and for the rollout the agent gateway's admin key."""
     if identity not in IDENTITIES:
-        raise ValueError(f"grant: unknown identity {identity!r} (one of {', '.join(IDENTITIES)})")
+        raise FieldError("grant", f"unknown identity {identity!r} (one of {', '.join(IDENTITIES)})")
     files = [creds.token_file(identity), creds.nats_password_file(identity), creds.peers_file]
     return [*files, creds.gateway_admin_key_file] if identity == "rollout" else files
 
@@ -250,7 +251,7 @@ def route_urls(creds: RunCredentials, routes: list[str]) -> list[str]:
     for route in routes:
         scheme, sep, rest = route.partition("://")
         if not sep or not rest or "@" in rest:
-            raise ValueError(f"nats_routes: {route!r} is not a nats-route://host:port URL without credentials")
+            raise FieldError("nats_routes", f"{route!r} is not a nats-route://host:port URL without credentials")
         out.append(f"{scheme}://{user}:{password}@{rest}")
     return out
 

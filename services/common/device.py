@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from services.common.errors import FieldError
+
 if TYPE_CHECKING:
     import torch
 
@@ -15,7 +17,7 @@ def check_device(name: str, field: str = "device") -> str:
     """ValueError naming `field` unless `name` is cpu, cuda, npu, cuda:N or npu:N."""
     kind, colon, index = str(name).partition(":")
     if kind not in KINDS or (colon and (kind == "cpu" or not index.isdigit())):
-        raise ValueError(f"{field}: expected cpu, cuda, npu, cuda:N or npu:N, got {name!r}")
+        raise FieldError(field, f"expected cpu, cuda, npu, cuda:N or npu:N, got {name!r}")
     return name
 
 

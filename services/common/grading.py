@@ -13,6 +13,7 @@ from typing import Any
 import msgpack
 
 from services.common.contracts import data_pb2
+from services.common.errors import FieldError
 
 TEXT_KEYS = ("answer", "question", "verifier", "extract")
 MAP_KEYS = ("verifier_options", "rg_entry", "row")
@@ -27,7 +28,7 @@ def to_proto(task: Mapping[str, Any], field: str = "grading") -> data_pb2.Gradin
         value = task.get(key)
         if value is not None:
             if not isinstance(value, str):
-                raise ValueError(f"{field}.{key}: must be a string, got {type(value).__name__}")
+                raise FieldError(f"{field}.{key}", f"must be a string, got {type(value).__name__}")
             setattr(g, key, value)
     for key in MAP_KEYS:
         if task.get(key) is not None:
@@ -35,7 +36,7 @@ def to_proto(task: Mapping[str, Any], field: str = "grading") -> data_pb2.Gradin
     g.shaping.extend(_shaping(task.get("shaping"), f"{field}.shaping"))
     if task.get("eval_round") is not None:
         if isinstance(task["eval_round"], bool) or not isinstance(task["eval_round"], int):
-            raise ValueError(f"{field}.eval_round: must be an integer")
+            raise FieldError(f"{field}.eval_round", "must be an integer")
         g.eval_round = task["eval_round"]
     extra = {k: v for k, v in task.items() if k not in KEYS}
     if extra:
@@ -66,11 +67,11 @@ def _shaping(terms: Any, field: str) -> list[data_pb2.ShapingTerm]:
     if terms is None:
         return []
     if not isinstance(terms, list | tuple):
-        raise ValueError(f"{field}: must be a list of maps, each with a name")
+        raise FieldError(field, "must be a list of maps, each with a name")
     out = []
     for i, term in enumerate(terms):
         if not isinstance(term, Mapping) or not isinstance(term.get("name"), str):
-            raise ValueError(f"{field}[{i}]: must be a map with a string name")
+            raise FieldError(f"{field}[{i}]", "must be a map with a string name")
         options = {k: v for k, v in term.items() if k != "name"}
         out.append(data_pb2.ShapingTerm(name=term["name"], options=_pack_map(options, f"{field}[{i}]")))
     return out
@@ -78,18 +79,18 @@ def _shaping(terms: Any, field: str) -> list[data_pb2.ShapingTerm]:
 
 def _pack_map(value: Any, field: str) -> bytes:
     if not isinstance(value, Mapping):
-        raise ValueError(f"{field}: must be a map, got {type(value).__name__}")
+        raise FieldError(field, f"must be a map, got {type(value).__name__}")
     try:
         return msgpack.packb(dict(value), use_bin_type=True)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"{field}: cannot be serialised ({exc})") from exc
+        raise FieldError(field, f"cannot be serialised ({exc})") from exc
 
 
 def _unpack_map(raw: bytes, field: str) -> dict[str, Any]:
     try:
         value = msgpack.unpackb(raw, raw=False, strict_map_key=False)
     except Exception as exc:  # noqa: BLE001 - whatever msgpack refuses, the field is unreadable
-        raise ValueError(f"{field}: not msgpack ({exc})") from exc
+        raise FieldError(field, f"not msgpack ({exc})") from exc
     if not isinstance(value, dict):
-        raise ValueError(f"{field}: must be a msgpack map")
+        raise FieldError(field, "must be a msgpack map")
     return value

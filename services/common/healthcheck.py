@@ -13,11 +13,13 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.errors import FieldError
+
 
 def resolve(address: str) -> str:
     host, _, port = address.rpartition(":")
     if not port.isdigit():
-        raise ValueError(f"address: expected [HOST]:PORT, got {address!r}")
+        raise FieldError("address", f"expected [HOST]:PORT, got {address!r}")
     return f"{host or socket.gethostbyname(socket.gethostname())}:{port}"
 
 

@@ -7,6 +7,8 @@ import sys
 
 import structlog
 
+from services.common.errors import FieldError
+
 
 class _Stderr:
     """Whatever sys.stderr is when a line is written: a logger configured while stderr was swapped (a test's capture,
@@ -22,7 +24,7 @@ class _Stderr:
 def configure_logging(service: str, level: str = "info") -> structlog.stdlib.BoundLogger:
     numeric = logging.getLevelName(level.upper())
     if not isinstance(numeric, int):
-        raise ValueError(f"log_level: unknown level {level!r}")
+        raise FieldError("log_level", f"unknown level {level!r}")
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

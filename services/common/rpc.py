@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.auth import CALLER, OPEN_METHODS, AuthError, ServerSecurity, Tls, TokenTable, allowed, is_loopback
+from services.common.errors import FieldError
 from services.common.logging import get_logger
 from services.common.runtime import Backoff, sleep_or_stop
 
@@ -133,7 +134,7 @@ async def start_server(address: str, servicers: Sequence[Servicer], *, auth_toke
     else:
         port = server.add_insecure_port(address)
     if port == 0:
-        raise ValueError(f"grpc_address: cannot bind {address!r}")
+        raise FieldError("grpc_address", f"cannot bind {address!r}")
     await server.start()
     rpc = RpcServer(server, port, health_servicer, names)
     await rpc.set_serving(True)
@@ -164,9 +165,11 @@ def channel(address: str, *, token: str = "", tls: Tls | None = None) -> grpc.ai
     return grpc.aio.secure_channel(address, tls.channel_credentials(), interceptors=interceptors, options=options)
 
 
-async def invalid_argument(context: grpc.aio.ServicerContext, field: str, problem: str) -> None:
-    """Abort the call with INVALID_ARGUMENT naming the field."""
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {problem}")
+async def invalid_argument(context: grpc.aio.ServicerContext, error: FieldError | str, problem: str = "") -> None:
+    """Abort the call with INVALID_ARGUMENT naming the field: a FieldError, or a field and its problem."""
+    if isinstance(error, str):
+        error = FieldError(error, problem)
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
 
 
 async def call_until_ok(call: Callable[[], Any], stop: asyncio.Event, *, what: str, max_delay: float = 2.0) -> bool:

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from services.common.config import ConfigError, ServiceConfig, load_config
+from services.common.errors import FieldError
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import start_metrics_server
 
@@ -45,7 +46,7 @@ def pin_cpus(service: str) -> None:
     try:
         cpus = {int(c) for c in text.split(",")}
     except ValueError:
-        raise ValueError(f"{name}: comma-separated CPU numbers, got {text!r}") from None
+        raise FieldError(name, f"comma-separated CPU numbers, got {text!r}") from None
     os.sched_setaffinity(0, cpus)
 
 

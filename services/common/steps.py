@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from services.common.contracts import data_pb2
+from services.common.errors import FieldError
 
 
 def check_step_rewards(traj: data_pb2.Trajectory) -> None:
@@ -13,10 +14,10 @@ def check_step_rewards(traj: data_pb2.Trajectory) -> None:
     n, previous = len(traj.completion_ids), 0
     for k, step in enumerate(traj.step_rewards):
         if not previous < step.end <= n:
-            raise ValueError(f"step_rewards[{k}].end: {step.end} is not in ({previous}, {n}] (ends strictly "
+            raise FieldError(f"step_rewards[{k}].end", f"{step.end} is not in ({previous}, {n}] (ends strictly "
                              f"increase and stay within the {n} completion tokens)")
         if traj.loss_mask and not traj.loss_mask[step.end - 1]:
-            raise ValueError(f"step_rewards[{k}].end: completion token {step.end - 1} is not trained (loss_mask 0)")
+            raise FieldError(f"step_rewards[{k}].end", f"completion token {step.end - 1} is not trained (loss_mask 0)")
         if not math.isfinite(step.reward):
-            raise ValueError(f"step_rewards[{k}].reward: must be finite")
+            raise FieldError(f"step_rewards[{k}].reward", "must be finite")
         previous = step.end

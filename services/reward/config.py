@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from services.common.config import ServiceConfig
+from services.common.errors import FieldError
 from services.reward.sandbox import SandboxConfig
 from services.reward.verifiers.judge import JudgeConfig
 from services.reward.verifiers.pool import VerifierPool
@@ -19,9 +20,9 @@ class PoolConfig:
 
     def __post_init__(self) -> None:
         if self.workers < 1:
-            raise ValueError(f"workers: must be >= 1, got {self.workers}")
+            raise FieldError("workers", f"must be >= 1, got {self.workers}")
         if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s}")
+            raise FieldError("timeout_s", f"must be > 0, got {self.timeout_s}")
 
     def build(self) -> VerifierPool:
         return VerifierPool(self.workers)

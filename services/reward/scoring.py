@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from services.common import grading
 from services.common.bus import InvalidMessage
 from services.common.contracts import data_pb2
+from services.common.errors import FieldError
 from services.common.ids import now
 from services.common.steps import check_step_rewards
 from services.reward.verifiers import Verdict, Verifier, build_verifier, shaping
@@ -105,7 +106,7 @@ class Scorer:
         terms = shaping.parse_shaping(task.get("shaping"))
         if shaping.needs_tokens(terms) and n_tokens is None:
             if self.count_tokens is None:
-                raise ValueError("grading.shaping: max_tokens needs a token count here (use max_chars)")
+                raise FieldError("grading.shaping", "max_tokens needs a token count here (use max_chars)")
             n_tokens = self.count_tokens(response)
         return _Checked(name, v, response, task, terms, n_tokens, self._quick(v, response, task))
 

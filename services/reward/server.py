@@ -11,6 +11,7 @@ from services.common import grading
 from services.common.bus import SUBJECT_TRAJ_SCORED, Bus, consume, decoder
 from services.common.contracts import data_pb2, reward_pb2, reward_pb2_grpc
 from services.common.deadletters import DeadLetterWatch
+from services.common.errors import FieldError, field_error
 from services.common.logging import get_logger
 from services.common.rpc import Servicer, invalid_argument
 from services.common.runtime import ServiceRuntime
@@ -33,9 +34,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         try:
             task = grading.to_task(request.grading)
             verdict = await self.scorer.score_text_async(request.verifier, request.response, task)
-        except ValueError as exc:  # the message names the field: verifier, grading.<key>...
-            field, _, problem = str(exc).partition(": ")
-            await invalid_argument(context, field, problem)
+        except ValueError as exc:  # it names the field: verifier, grading.<key>...
+            await invalid_argument(context, field_error(exc) or FieldError("grading", str(exc)))
         return reward_pb2.ScoreReply(reward=verdict.reward, detail=verdict.detail)
 
     async def ListVerifiers(self, request, context):

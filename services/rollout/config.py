@@ -6,6 +6,7 @@ import dataclasses
 import os
 
 from services.common.config import ServiceConfig
+from services.common.errors import FieldError
 from services.rollout.engines.sglang_engine import SGLangConfig
 from services.rollout.engines.torch_engine import EngineConfig
 from services.rollout.engines.vllm_ascend_engine import build_vllm_ascend, check_ascend_device
@@ -36,7 +37,7 @@ class RolloutEngineConfig(EngineConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.kind not in ENGINE_KINDS:
-            raise ValueError(f"engine.kind: must be one of {', '.join(ENGINE_KINDS)}, got {self.kind!r}")
+            raise FieldError("engine.kind", f"must be one of {', '.join(ENGINE_KINDS)}, got {self.kind!r}")
         if self.kind == "vllm_ascend":
             check_ascend_device(self.device)
 
@@ -65,6 +66,6 @@ class RolloutConfig(ServiceConfig):
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
-            raise ValueError(f"concurrency: must be >= 1, got {self.concurrency}")
+            raise FieldError("concurrency", f"must be >= 1, got {self.concurrency}")
         if self.catch_up_timeout <= 0:
-            raise ValueError(f"catch_up_timeout: must be positive, got {self.catch_up_timeout}")
+            raise FieldError("catch_up_timeout", f"must be positive, got {self.catch_up_timeout}")

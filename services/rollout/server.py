@@ -25,6 +25,7 @@ from services.common.bus import (
 )
 from services.common.contracts import common_pb2, data_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common.deadletters import DeadLetterWatch
+from services.common.errors import FieldError, field_error
 from services.common.logging import get_logger
 from services.common.rpc import (
     DEFAULT_MAX_RECEIVE,
@@ -108,8 +109,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self.r.engine.check(list(request.prompt_ids), sampling, request.n or 1)
             seqs = await self.r.engine.generate(list(request.prompt_ids), sampling, n=request.n or 1)
         except ValueError as exc:
-            field, _, problem = str(exc).partition(": ")
-            await invalid_argument(context, field if problem else "prompt_ids", problem or str(exc))
+            await invalid_argument(context, field_error(exc) or FieldError("prompt_ids", str(exc)))
         except EngineUnhealthy as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine is unhealthy: {exc}")
         return rollout_pb2.GenerateReply(completions=[
@@ -296,7 +296,7 @@ async def follow_budget(bus: Bus, budget, stop: asyncio.Event) -> None:
         if event.kind != data_pb2.VERSION_KIND_BUDGET:
             return
         if not event.HasField("budget"):
-            raise ValueError(f"budget: missing in budget event {event.event_id!r}")
+            raise FieldError("budget", f"missing in budget event {event.event_id!r}")
         b = event.budget
         budget.update(limit=b.limit_groups, released=b.released_groups, arrived=b.arrived_groups)
 

@@ -12,6 +12,7 @@ import math
 import torch
 
 from services.common.contracts import data_pb2
+from services.common.errors import FieldError
 from services.common.logging import get_logger
 from services.common.sampling import temperature_mismatch
 from services.common.staleness import staleness
@@ -69,7 +70,7 @@ def pack(trajectories: list[data_pb2.Trajectory], pad_token_id: int, *,
     """The batch as tensors; ValueError naming the field for one the trainer cannot train on (`temperature`: the
     one it computes log-probs at; a trajectory sampled at another is refused, see services.common.sampling)."""
     if not trajectories:
-        raise ValueError("trajectories: empty batch")
+        raise FieldError("trajectories", "empty batch")
     if temperature is not None:
         mismatch = next(filter(None, (temperature_mismatch(t, temperature) for t in trajectories)), "")
         if mismatch:
@@ -83,10 +84,10 @@ def pack(trajectories: list[data_pb2.Trajectory], pad_token_id: int, *,
     for t in trajectories:
         n = len(t.completion_ids)
         if not t.prompt_ids:
-            raise ValueError(f"prompt_ids: empty in trajectory {t.trajectory_id}")
+            raise FieldError("prompt_ids", f"empty in trajectory {t.trajectory_id}")
         for field in ("behavior_logprobs", "versions", "loss_mask"):
             if len(getattr(t, field)) != n:
-                raise ValueError(f"{field}: {len(getattr(t, field))} entries for {n} tokens in {t.trajectory_id}")
+                raise FieldError(field, f"{len(getattr(t, field))} entries for {n} tokens in {t.trajectory_id}")
         try:
             check_step_rewards(t)
         except ValueError as exc:

@@ -17,6 +17,7 @@ from typing import TypeVar
 
 import torch
 
+from services.common.errors import FieldError
 from services.common.torch_threads import fix_torch_threads
 
 T = TypeVar("T")
@@ -28,7 +29,7 @@ class ComputeThread:
 
     def __init__(self, threads: int, name: str = "trainer-compute") -> None:
         if threads < 0:
-            raise ValueError(f"torch_threads: must be >= 0, got {threads}")
+            raise FieldError("torch_threads", f"must be >= 0, got {threads}")
         self.threads = threads or torch.get_num_threads()
         fix_torch_threads(1)
         self._pool = concurrent.futures.ThreadPoolExecutor(

@@ -7,6 +7,7 @@ from typing import Any
 
 from services.common.config import ServiceConfig
 from services.common.device import check_device
+from services.common.errors import FieldError
 from services.trainer.algorithms import PRESETS, Algorithm, AlgorithmConfig
 from services.trainer.critic import CriticConfig
 from services.trainer.lora import LoraConfig
@@ -53,17 +54,17 @@ class TrainerConfig(ServiceConfig):
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype: must be float32 or bfloat16, got {self.dtype!r}")
+            raise FieldError("dtype", f"must be float32 or bfloat16, got {self.dtype!r}")
         if self.temperature <= 0:
-            raise ValueError(f"temperature: must be > 0, got {self.temperature}")
+            raise FieldError("temperature", f"must be > 0, got {self.temperature}")
         if self.total_steps < 0 or self.checkpoint_every < 0:
             raise ValueError("total_steps / checkpoint_every: must be >= 0")
         if self.keep_checkpoints < 1:
-            raise ValueError(f"keep_checkpoints: must be >= 1, got {self.keep_checkpoints}")
+            raise FieldError("keep_checkpoints", f"must be >= 1, got {self.keep_checkpoints}")
         if self.sync_retries < 0:
-            raise ValueError(f"sync_retries: must be >= 0, got {self.sync_retries}")
+            raise FieldError("sync_retries", f"must be >= 0, got {self.sync_retries}")
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+            raise FieldError("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         check_device(self.device)
         self.build_algorithm()  # an unknown preset or setting stops start-up here
         self.check_backend()
@@ -72,41 +73,41 @@ class TrainerConfig(ServiceConfig):
         from services.trainer.backends import BACKENDS
 
         if self.backend == "megatron":
-            raise ValueError("backend: megatron is not a training backend yet (services/trainer/megatron converts "
+            raise FieldError("backend", "megatron is not a training backend yet (services/trainer/megatron converts "
                              "weights and computes vocab-parallel log-probs; no step drives it); use torch or fsdp2")
         if self.backend not in BACKENDS:
-            raise ValueError(f"backend: must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+            raise FieldError("backend", f"must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.ranks < 1:
-            raise ValueError(f"ranks: must be >= 1, got {self.ranks}")
+            raise FieldError("ranks", f"must be >= 1, got {self.ranks}")
         if self.rank_timeout <= 0:
-            raise ValueError(f"rank_timeout: must be > 0, got {self.rank_timeout}")
+            raise FieldError("rank_timeout", f"must be > 0, got {self.rank_timeout}")
         if self.backend == "torch" and self.ranks != 1:
-            raise ValueError(f"ranks: the torch backend runs one rank, got {self.ranks} (backend: fsdp2 shards)")
+            raise FieldError("ranks", f"the torch backend runs one rank, got {self.ranks} (backend: fsdp2 shards)")
         if self.shard_sync and self.backend != "fsdp2":
-            raise ValueError(f"shard_sync: needs backend: fsdp2, got {self.backend!r}")
+            raise FieldError("shard_sync", f"needs backend: fsdp2, got {self.backend!r}")
         if self.backend == "fsdp2":
             algo = self.build_algorithm()
             if self.lora.enabled:
-                raise ValueError("lora.enabled: the fsdp2 backend trains full weights only (use backend: torch)")
+                raise FieldError("lora.enabled", "the fsdp2 backend trains full weights only (use backend: torch)")
             if algo.is_offline or algo.needs_critic:
-                raise ValueError(f"backend: fsdp2 runs the online presets without a critic; {self.algo!r} "
+                raise FieldError("backend", f"fsdp2 runs the online presets without a critic; {self.algo!r} "
                                  "needs backend: torch")
 
     def algorithm_config(self) -> AlgorithmConfig:
         """The preset with ``algo_overrides`` on top; ``max_new_tokens`` unless the overrides set it."""
         if self.algo not in PRESETS:
-            raise ValueError(f"algo: unknown preset {self.algo!r}; known presets: {', '.join(PRESETS)}")
+            raise FieldError("algo", f"unknown preset {self.algo!r}; known presets: {', '.join(PRESETS)}")
         overrides = {"max_new_tokens": self.max_new_tokens, **self.algo_overrides}
         if PRESETS[self.algo]["objective"] in ("dpo", "sft"):
             overrides = {k: v for k, v in overrides.items() if k not in _IGNORED_OFFLINE}
         try:
             return AlgorithmConfig.from_preset(self.algo, **overrides)
         except ValueError as exc:
-            raise ValueError(f"algo_overrides: {exc}") from exc
+            raise FieldError("algo_overrides", f"{exc}") from exc
 
     def build_algorithm(self) -> Algorithm:
         config = self.algorithm_config()
         try:
             return config.build()
         except ValueError as exc:
-            raise ValueError(f"algo_overrides: {exc}") from exc
+            raise FieldError("algo_overrides", f"{exc}") from exc

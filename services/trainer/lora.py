@@ -12,6 +12,8 @@ import dataclasses
 
 import torch
 
+from services.common.errors import FieldError
+
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -25,13 +27,13 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         if self.r < 1:
-            raise ValueError(f"lora.r: must be >= 1, got {self.r}")
+            raise FieldError("lora.r", f"must be >= 1, got {self.r}")
         if self.alpha <= 0:
-            raise ValueError(f"lora.alpha: must be > 0, got {self.alpha}")
+            raise FieldError("lora.alpha", f"must be > 0, got {self.alpha}")
         if not 0 <= self.dropout < 1:
-            raise ValueError(f"lora.dropout: must be in [0, 1), got {self.dropout}")
+            raise FieldError("lora.dropout", f"must be in [0, 1), got {self.dropout}")
         if not self.target_modules:
-            raise ValueError("lora.target_modules: must name at least one module")
+            raise FieldError("lora.target_modules", "must name at least one module")
 
     def build(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model wrapped with fresh adapters (only they train), or the model itself when disabled."""
@@ -44,7 +46,7 @@ class LoraConfig:
         try:
             return peft.get_peft_model(model, config)
         except ValueError as exc:
-            raise ValueError(f"lora.target_modules: {exc}") from exc
+            raise FieldError("lora.target_modules", f"{exc}") from exc
 
 
 def is_lora(model: torch.nn.Module) -> bool:

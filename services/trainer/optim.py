@@ -6,6 +6,8 @@ import dataclasses
 
 import torch
 
+from services.common.errors import FieldError
+
 
 @dataclasses.dataclass(kw_only=True)
 class OptimConfig:
@@ -21,11 +23,11 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
-            raise ValueError(f"optim.lr: must be > 0, got {self.lr}")
+            raise FieldError("optim.lr", f"must be > 0, got {self.lr}")
         if self.minibatches < 1 or self.epochs < 1:
             raise ValueError("optim.minibatches / optim.epochs: must be >= 1")
         if self.schedule not in ("constant", "linear"):
-            raise ValueError(f"optim.schedule: must be 'constant' or 'linear', got {self.schedule!r}")
+            raise FieldError("optim.schedule", f"must be 'constant' or 'linear', got {self.schedule!r}")
 
     def build(self, model: torch.nn.Module, *, total_steps: int = 0
               ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
@@ -34,7 +36,7 @@ class OptimConfig:
         optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay, betas=tuple(self.betas))
         total = total_steps * self.minibatches * self.epochs
         if self.schedule == "linear" and not total:
-            raise ValueError("optim.schedule: 'linear' needs total_steps > 0")
+            raise FieldError("optim.schedule", "'linear' needs total_steps > 0")
         return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: self.lr_factor(n, total))
 
     def lr_factor(self, update: int, total_updates: int) -> float:

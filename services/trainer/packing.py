@@ -19,6 +19,8 @@ from collections.abc import Iterator
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from services.common.errors import FieldError
+
 
 @dataclasses.dataclass(frozen=True)
 class PackingConfig:
@@ -28,7 +30,7 @@ class PackingConfig:
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
+            raise FieldError("max_tokens", f"must be >= 1, got {self.max_tokens}")
 
 
 _ACTIVE: contextvars.ContextVar[PackingConfig | None] = contextvars.ContextVar("packing", default=None)
@@ -52,7 +54,7 @@ def first_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
     """Row indices per bin, longest rows first; no bin holds more than max(budget, longest row) tokens (a row
     longer than the budget gets a bin of its own)."""
     if budget < 1:
-        raise ValueError(f"budget: must be >= 1, got {budget}")
+        raise FieldError("budget", f"must be >= 1, got {budget}")
     bins: list[list[int]] = []
     room: list[int] = []
     for row in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
@@ -176,7 +178,7 @@ def attention_mask_for(model: torch.nn.Module, packing: Packing) -> torch.Tensor
     if kind == "eager":
         return torch.zeros(packing.attention.shape, device=packing.attention.device).masked_fill(
             ~packing.attention, torch.finfo(torch.float32).min)
-    raise ValueError(f"packing: attention implementation {kind!r} is not supported; use sdpa or eager")
+    raise FieldError("packing", f"attention implementation {kind!r} is not supported; use sdpa or eager")
 
 
 def packed_logits(model: torch.nn.Module, packing: Packing, where: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

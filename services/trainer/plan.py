@@ -14,6 +14,7 @@ import json
 import re
 import sys
 
+from services.common.errors import FieldError
 from services.trainer.planning.memory import CATEGORIES, Plan, PlanConfig, RankPlan, plan
 from services.trainer.planning.model import PlannedModel, load_model
 
@@ -27,10 +28,10 @@ def parse_bytes(text: str, field: str = "device_memory") -> int:
     """'80GiB', '141GB', '512MiB', '1000000' -> bytes; ValueError naming ``field``."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(2).lower() not in UNITS:
-        raise ValueError(f"{field}: expected a size such as 80GiB or 141GB, got {text!r}")
+        raise FieldError(field, f"expected a size such as 80GiB or 141GB, got {text!r}")
     value = int(float(match.group(1)) * UNITS[match.group(2).lower()])
     if value <= 0:
-        raise ValueError(f"{field}: must be positive, got {text!r}")
+        raise FieldError(field, f"must be positive, got {text!r}")
     return value
 
 

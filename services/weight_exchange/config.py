@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from services.common.config import ServiceConfig, check_lease_seconds
+from services.common.errors import FieldError
 from services.weight_exchange.client.transports import KNOWN
 
 
@@ -28,8 +29,8 @@ class WeightExchangeConfig(ServiceConfig):
     def __post_init__(self) -> None:
         check_lease_seconds(self.lease_seconds)
         if self.default_transport not in KNOWN:
-            raise ValueError(f"default_transport: unknown {self.default_transport!r} (known: {', '.join(KNOWN)})")
+            raise FieldError("default_transport", f"unknown {self.default_transport!r} (known: {', '.join(KNOWN)})")
         if self.bucket_bytes <= 0:
-            raise ValueError("bucket_bytes: must be positive")
+            raise FieldError("bucket_bytes", "must be positive")
         if self.transfer_timeout <= 0 or self.control_timeout <= 0:
             raise ValueError("transfer_timeout / control_timeout: must be positive")

@@ -19,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from services.common.contracts import weight_exchange_pb2 as wx_pb2
+from services.common.errors import FieldError
 from services.common.logging import get_logger
 from services.weight_exchange.client import tickets, transports
 from services.weight_exchange.client.layout import RECEIVER, SENDER, RankLayout
@@ -111,7 +112,7 @@ class Coordinator:
         layout.validate()
         for name in layout.endpoints:
             if name not in transports.KNOWN:
-                raise ValueError(f"layout.endpoints: unknown transport {name!r} (known: {', '.join(transports.KNOWN)})")
+                raise FieldError("layout.endpoints", f"unknown transport {name!r} (known: {', '.join(transports.KNOWN)})")
         secret = tickets.parse_key(key) if key else None
         self.expire()
         old = self.ranks.get(layout.rank_id)
@@ -177,17 +178,17 @@ class Coordinator:
         """The transport to use; ValueError naming `transport` when unknown or not offered by a sender."""
         name = transport or self.default_transport
         if name not in transports.KNOWN:
-            raise ValueError(f"transport: unknown {name!r} (known: {', '.join(transports.KNOWN)})")
+            raise FieldError("transport", f"unknown {name!r} (known: {', '.join(transports.KNOWN)})")
         for s in self.senders:
             if name not in s.endpoints:
-                raise ValueError(f"transport: sender {s.rank_id} offers no {name!r} endpoint "
+                raise FieldError("transport", f"sender {s.rank_id} offers no {name!r} endpoint "
                                  f"(offers {', '.join(sorted(s.endpoints))})")
         return name
 
     async def sync(self, version: int, transport: str = "", verify: bool | None = None) -> SyncResult:
         """Deploy `version` to every receiver. Concurrent calls for the same version share one update."""
         if version < 0:
-            raise ValueError(f"version: must be >= 0, got {version}")
+            raise FieldError("version", f"must be >= 0, got {version}")
         running = self._inflight.get(version)
         if running is not None:
             return await asyncio.shield(running)
@@ -334,7 +335,7 @@ class Coordinator:
         for name in (self._transport, self.default_transport, *transports.KNOWN):
             if name and all(name in s.endpoints for s in self.senders):
                 return name
-        raise ValueError("transport: no transport is offered by every sender")
+        raise FieldError("transport", "no transport is offered by every sender")
 
     async def close(self) -> None:
         """Cancel the catch-ups in flight."""

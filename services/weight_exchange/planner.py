@@ -19,6 +19,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Sequence
 
+from services.common.errors import FieldError
 from services.weight_exchange.client.layout import ITEMSIZE, RECEIVER, SENDER, RankLayout, Shard
 from services.weight_exchange.client.regions import Region, grid, split
 from services.weight_exchange.client.transfer import DEFAULT_BUCKET_BYTES, Transfer
@@ -64,7 +65,7 @@ def plan(senders: Sequence[RankLayout], receivers: Sequence[RankLayout], *,
     `stats_only` (paper-scale simulation) keeps the sender choices and statistics but builds no transfers.
     """
     if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes: must be positive, got {bucket_bytes}")
+        raise FieldError("bucket_bytes", f"must be positive, got {bucket_bytes}")
     senders = sorted(senders, key=lambda layout: layout.rank_id)
     receivers = sorted((_receiving(r) for r in receivers), key=lambda layout: layout.rank_id)
     assert all(s.role == SENDER for s in senders) and all(r.role == RECEIVER for r in receivers)

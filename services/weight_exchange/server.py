@@ -10,6 +10,7 @@ import grpc
 from services.common.auth import SHARED, Tls, caller, client_security
 from services.common.contracts import weight_exchange_pb2 as wx_pb2
 from services.common.contracts import weight_exchange_pb2_grpc as wx_grpc
+from services.common.errors import FieldError, field_error
 from services.common.logging import get_logger
 from services.common.rpc import (
     LARGE_MAX_RECEIVE,
@@ -109,8 +110,7 @@ class WeightExchangeServicer(wx_grpc.WeightExchangeServiceServicer):
         except RegisterDenied as exc:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         except ValueError as exc:
-            field, _, problem = str(exc).partition(": ")
-            await invalid_argument(context, field, problem)
+            await invalid_argument(context, field_error(exc) or FieldError("request", str(exc)))
         c = self.coordinator
         return wx_pb2.RegisterReply(rank_id=request.layout.rank_id, num_senders=len(c.senders),
                                     num_receivers=len(c.receivers), sender_version=c.sender_version)
@@ -122,8 +122,7 @@ class WeightExchangeServicer(wx_grpc.WeightExchangeServiceServicer):
         except PlanError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"plan: {exc}")
         except ValueError as exc:
-            field, _, problem = str(exc).partition(": ")
-            await invalid_argument(context, field, problem)
+            await invalid_argument(context, field_error(exc) or FieldError("request", str(exc)))
 
     async def Sync(self, request, context):  # noqa: N802
         try:
@@ -131,8 +130,7 @@ class WeightExchangeServicer(wx_grpc.WeightExchangeServiceServicer):
         except SyncError as exc:
             await context.abort(getattr(grpc.StatusCode, exc.code, grpc.StatusCode.ABORTED), str(exc))
         except ValueError as exc:
-            field, _, problem = str(exc).partition(": ")
-            await invalid_argument(context, field, problem)
+            await invalid_argument(context, field_error(exc) or FieldError("request", str(exc)))
         return wx_pb2.SyncReply(version=r.version, seconds=r.seconds, bytes_moved=r.bytes_moved,
                                 num_receivers=r.num_receivers, plan_hash=r.plan_hash)
 

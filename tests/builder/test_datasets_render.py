@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import msgpack
 import pytest
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -14,6 +13,7 @@ from services.builder.datasets import DatasetConfig, Task, generate_split
 from services.builder.datasets.render import chat_messages
 from services.builder.server import Builder
 from services.builder.tasks import make_work
+from services.common import grading
 from services.common.contracts import data_pb2
 from services.trainer.models.tiny_qwen3 import CHAT_TEMPLATE, build_tokenizer
 
@@ -102,7 +102,7 @@ def test_chat_messages_put_few_shot_after_the_system_prompt():
         "system", "user", "assistant", "user"]
 
 
-def test_prompt_work_carries_the_metadata_contract(tmp_path):
+def test_prompt_work_carries_the_grading_contract(tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text(json.dumps({"q": "Name it", "a": "x", "check": "exact", "metadata": {"id": 7}}) + "\n"
                     + json.dumps({"q": "Count", "a": 3}) + "\n")
@@ -115,14 +115,15 @@ def test_prompt_work_carries_the_metadata_contract(tmp_path):
     own, default = config.build(seed=0, train_size=0, eval_size=0).eval
     work = make_work(own, work_id="eval-0-0", group_id="eval-0-0", group_size=1, encode=encode,
                      sampling=data_pb2.SamplingParams(), version=0, split="eval", issued_at=0.0,
-                     extra={"eval_round": 0})
+                     eval_round=0)
     assert list(work.prompt_ids) == encode(own)
-    assert msgpack.unpackb(work.metadata, raw=False) == {
+    assert work.grading.verifier == "exact" and work.grading.eval_round == 0
+    assert grading.to_task(work.grading) == {
         "answer": "x", "question": "Name it", "verifier": "exact", "verifier_options": {"pattern": r"answer: (\w+)"},
         "shaping": [{"name": "format", "weight": 0.2}], "row": {"id": 7}, "eval_round": 0}
-    meta = msgpack.unpackb(make_work(default, work_id="g-0", group_id="g-0", group_size=2, encode=encode,
+    meta = grading.to_task(make_work(default, work_id="g-0", group_id="g-0", group_size=2, encode=encode,
                                      sampling=data_pb2.SamplingParams(), version=0, split="train",
-                                     issued_at=0.0).metadata, raw=False)
+                                     issued_at=0.0).grading)
     assert meta["answer"] == "3" and meta["verifier"] == "regex" and "row" not in meta
 
 

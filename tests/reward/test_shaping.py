@@ -48,6 +48,15 @@ def test_max_tokens_counts_completion_tokens_or_asks_for_a_counter():
 @pytest.mark.parametrize("shaping,field", [
     ({"name": "format"}, "grading.shaping: must be a list"),
     (["format"], r"grading.shaping\[0\]: must be a map"),
+])
+def test_terms_of_the_wrong_shape_are_refused_where_the_grading_is_built(shaping, field):
+    with pytest.raises(ValueError, match=field):
+        grading.to_proto({"answer": "7", "shaping": shaping})
+    with pytest.raises(ValueError, match=field):
+        scorer().score_text("exact", "7", {"answer": "7", "shaping": shaping})  # the scorer checks a map it is handed too
+
+
+@pytest.mark.parametrize("shaping,field", [
     ([FORMAT, {"name": "brevity"}], r"grading.shaping\[1\].name: unknown 'brevity'"),
     ([{"name": "format", "pattern": "("}], r"grading.shaping\[0\].pattern: not a regular expression"),
     ([{"name": "format", "weight": "high"}], r"grading.shaping\[0\].weight: must be float"),

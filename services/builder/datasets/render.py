@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from services.builder.datasets.task import Task
+from services.common.errors import FieldError
 
 
 def chat_messages(task: Task, *, system_prompt: str = "",
@@ -30,7 +31,7 @@ def chat_messages(task: Task, *, system_prompt: str = "",
 
 def raw_text(task: Task, *, system_prompt: str = "", few_shot: Sequence[Mapping[str, str]] = ()) -> str:
     if task.messages is not None:
-        raise ValueError(f"dataset.render: 'raw' cannot render task {task.task_id} (it has messages); use 'chat'")
+        raise FieldError("dataset.render", f"'raw' cannot render task {task.task_id} (it has messages); use 'chat'")
     return system_prompt + "".join(ex["prompt"] + ex["answer"] for ex in few_shot) + task.prompt
 
 
@@ -40,7 +41,7 @@ class PromptEncoder:
     def __init__(self, tokenizer, *, chat: bool, system_prompt: str = "",
                  few_shot: Sequence[Mapping[str, str]] = ()) -> None:
         if chat and not getattr(tokenizer, "chat_template", None):
-            raise ValueError("dataset.render: 'chat' but the model's tokenizer has no chat template; "
+            raise FieldError("dataset.render", "'chat' but the model's tokenizer has no chat template; "
                              "set render: raw")
         self.tokenizer = tokenizer
         self.chat = chat

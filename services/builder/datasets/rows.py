@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from services.builder.datasets.task import Task
+from services.common.errors import FieldError
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -31,21 +32,21 @@ def plain(value: Any) -> Any:
 
 def _answer(value: Any, where: str, field: str) -> str:
     if value is None:
-        raise ValueError(f"{where}: missing field {field!r}")
+        raise FieldError(where, f"missing field {field!r}")
     if isinstance(value, str):
         return value
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{where}: field {field!r} must be a string or a number, got {type(value).__name__}")
+        raise FieldError(where, f"field {field!r} must be a string or a number, got {type(value).__name__}")
     return str(value)
 
 
 def _messages(value: Any, where: str, field: str) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
-        raise ValueError(f"{where}: field {field!r} must be a non-empty list of {{role, content}} objects")
+        raise FieldError(where, f"field {field!r} must be a non-empty list of {{role, content}} objects")
     out = []
     for i, m in enumerate(value):
         if not isinstance(m, Mapping) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise ValueError(f"{where}: field {field}[{i}] must be an object with a role ({', '.join(ROLES)}) "
+            raise FieldError(where, f"field {field}[{i}] must be an object with a role ({', '.join(ROLES)}) "
                              f"and a string content")
         out.append({"role": m["role"], "content": m["content"]})
     return out
@@ -55,24 +56,24 @@ def to_task(row: Any, *, where: str, task_id: str, fields: Mapping[str, str], gr
     """One row as a task. ``fields`` maps prompt / messages / answer / verifier / metadata to column names;
     ``grading`` holds the dataset's defaults (verifier, its options, shaping, extract)."""
     if not isinstance(row, Mapping):
-        raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+        raise FieldError(where, f"a row must be a JSON object, got {type(row).__name__}")
     prompt, messages = row.get(fields["prompt"]), row.get(fields["messages"])
     if prompt is None and messages is None:
-        raise ValueError(f"{where}: missing field {fields['prompt']!r} (or {fields['messages']!r})")
+        raise FieldError(where, f"missing field {fields['prompt']!r} (or {fields['messages']!r})")
     if prompt is not None and messages is not None:
-        raise ValueError(f"{where}: has both {fields['prompt']!r} and {fields['messages']!r}; give one")
+        raise FieldError(where, f"has both {fields['prompt']!r} and {fields['messages']!r}; give one")
     if prompt is not None and not isinstance(prompt, str):
-        raise ValueError(f"{where}: field {fields['prompt']!r} must be a string, got {type(prompt).__name__}")
+        raise FieldError(where, f"field {fields['prompt']!r} must be a string, got {type(prompt).__name__}")
     metadata = {k: v for k, v in grading.items() if v not in (None, "", [], {})}
     verifier = row.get(fields["verifier"])
     if verifier is not None:
         if not isinstance(verifier, str) or not verifier:
-            raise ValueError(f"{where}: field {fields['verifier']!r} must be a non-empty string")
+            raise FieldError(where, f"field {fields['verifier']!r} must be a non-empty string")
         metadata["verifier"] = verifier
     extra = row.get(fields["metadata"])
     if extra is not None:
         if not isinstance(extra, Mapping):
-            raise ValueError(f"{where}: field {fields['metadata']!r} must be an object")
+            raise FieldError(where, f"field {fields['metadata']!r} must be an object")
         metadata["row"] = plain(extra)
     return Task(task_id=task_id, prompt=prompt or "", answer=_answer(row.get(fields["answer"]), where, fields["answer"]),
                 messages=None if messages is None else _messages(messages, where, fields["messages"]),

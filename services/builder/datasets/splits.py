@@ -6,15 +6,16 @@ import random
 from collections.abc import Callable, Iterator, Sequence
 
 from services.builder.datasets.task import Task
+from services.common.errors import FieldError
 
 
 def hold_out(tasks: Sequence[Task], fraction: float, seed: int) -> tuple[list[Task], list[Task]]:
     """(train, eval): ``fraction`` of the tasks, drawn with ``seed``, held out; both keep the source order."""
     if not 0.0 < fraction < 1.0:
-        raise ValueError(f"eval_fraction: must be between 0 and 1, got {fraction}")
+        raise FieldError("eval_fraction", f"must be between 0 and 1, got {fraction}")
     n_eval = round(len(tasks) * fraction)
     if n_eval < 1 or n_eval >= len(tasks):
-        raise ValueError(f"eval_fraction: {fraction} of {len(tasks)} rows leaves an empty train or eval split")
+        raise FieldError("eval_fraction", f"{fraction} of {len(tasks)} rows leaves an empty train or eval split")
     held = set(random.Random(seed).sample(range(len(tasks)), n_eval))
     return ([t for i, t in enumerate(tasks) if i not in held], [t for i, t in enumerate(tasks) if i in held])
 
@@ -22,7 +23,7 @@ def hold_out(tasks: Sequence[Task], fraction: float, seed: int) -> tuple[list[Ta
 def shuffled_epochs(tasks: Sequence[Task], seed: int) -> Iterator[Task]:
     """Cycle over ``tasks`` forever, reshuffled every epoch; the same sequence for the same seed."""
     if not tasks:
-        raise ValueError("dataset: the train split is empty")
+        raise FieldError("dataset", "the train split is empty")
     rng = random.Random(seed)
     while True:
         order = list(tasks)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from services.common.errors import FieldError
+
 if TYPE_CHECKING:
     from services.reward.sandbox.pool import Sandbox
 
@@ -30,13 +32,13 @@ class Limits:
     def __post_init__(self) -> None:
         for name in ("timeout_s", "cpu_s", "memory_mb", "fsize_mb", "tmp_mb", "max_output_bytes"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+                raise FieldError(name, f"must be > 0, got {getattr(self, name)}")
         if self.run_memory_mb < 0:
-            raise ValueError(f"run_memory_mb: must be >= 0 (0: memory_mb + tmp_mb + 32), got {self.run_memory_mb}")
+            raise FieldError("run_memory_mb", f"must be >= 0 (0: memory_mb + tmp_mb + 32), got {self.run_memory_mb}")
         if self.nproc < 4:
-            raise ValueError(f"nproc: must be >= 4 (the sandbox's pid 1 is one), got {self.nproc}")
+            raise FieldError("nproc", f"must be >= 4 (the sandbox's pid 1 is one), got {self.nproc}")
         if self.nofile < 16:
-            raise ValueError(f"nofile: must be >= 16, got {self.nofile}")
+            raise FieldError("nofile", f"must be >= 16, got {self.nofile}")
 
     def run_memory_bytes(self) -> int:
         return (self.run_memory_mb or self.memory_mb + self.tmp_mb + RUN_MEMORY_SLACK_MB) << 20
@@ -53,11 +55,11 @@ class SandboxConfig:
 
     def __post_init__(self) -> None:
         if not (self.cgroup in ("auto", "off") or self.cgroup.startswith("/")):
-            raise ValueError(f"cgroup: must be 'auto', 'off' or an absolute path, got {self.cgroup!r}")
+            raise FieldError("cgroup", f"must be 'auto', 'off' or an absolute path, got {self.cgroup!r}")
         if not 1 <= self.concurrency <= MAX_CONCURRENCY:
-            raise ValueError(f"concurrency: must be in [1, {MAX_CONCURRENCY}], got {self.concurrency}")
+            raise FieldError("concurrency", f"must be in [1, {MAX_CONCURRENCY}], got {self.concurrency}")
         if not 65536 <= self.uid_base < 2**31 - 10_000_000:
-            raise ValueError(f"uid_base: must be in [65536, 2**31 - 1e7) (no real user), got {self.uid_base}")
+            raise FieldError("uid_base", f"must be in [65536, 2**31 - 1e7) (no real user), got {self.uid_base}")
 
     def build(self) -> Sandbox:
         """The sandbox, after checking bwrap runs `true` inside it (SandboxUnavailable otherwise)."""

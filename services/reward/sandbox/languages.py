@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from services.common.errors import FieldError
+
 
 @dataclasses.dataclass(frozen=True)
 class Language:
@@ -22,5 +24,5 @@ LANGUAGES = {"python": Language("python", "main.py", ("MemoryError",))}
 
 def language(name: str) -> Language:
     if name not in LANGUAGES:
-        raise ValueError(f"language: unknown {name!r} (known: {', '.join(LANGUAGES)})")
+        raise FieldError("language", f"unknown {name!r} (known: {', '.join(LANGUAGES)})")
     return LANGUAGES[name]

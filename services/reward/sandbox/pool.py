@@ -12,6 +12,7 @@ import tempfile
 import threading
 import weakref
 
+from services.common.errors import FieldError
 from services.reward.sandbox import bwrap, execute
 from services.reward.sandbox.cgroup import JOIN_MARKER, MB, Cgroups, CgroupUnavailable
 from services.reward.sandbox.config import SandboxConfig
@@ -108,7 +109,7 @@ class Sandbox:
         waits for a free slot when `concurrency` runs are already going."""
         lang = language(language_name)
         if timeout_s is not None and not timeout_s > 0:
-            raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
+            raise FieldError("timeout_s", f"must be > 0, got {timeout_s}")
         data = stdin.encode() if isinstance(stdin, str) else stdin
         with tempfile.TemporaryDirectory(prefix="meshrl-sandbox-") as host_dir:
             os.chmod(host_dir, 0o711)  # the unprivileged bwrap must reach the file it binds, but not list the dir

@@ -8,6 +8,8 @@ import re
 from collections.abc import Mapping
 from typing import Any, Protocol, TypeVar
 
+from services.common.errors import FieldError
+
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
 T = TypeVar("T")
@@ -52,9 +54,9 @@ def check_range(bounds: object, field: str) -> tuple[float, float]:
     try:
         low, high = (float(x) for x in bounds)  # type: ignore[union-attr]
     except (TypeError, ValueError):
-        raise ValueError(f"{field}: must be a (low, high) pair of numbers, got {bounds!r}") from None
+        raise FieldError(field, f"must be a (low, high) pair of numbers, got {bounds!r}") from None
     if not (math.isfinite(low) and math.isfinite(high) and low < high):
-        raise ValueError(f"{field}: must be finite with low < high, got {bounds!r}")
+        raise FieldError(field, f"must be finite with low < high, got {bounds!r}")
     return low, high
 
 
@@ -72,7 +74,7 @@ def clamp(verdict: Verdict, bounds: tuple[float, float]) -> Verdict:
 def reference_answer(task: Mapping[str, Any]) -> str:
     answer = task.get("answer")
     if answer is None or str(answer) == "":
-        raise ValueError("grading.answer: missing")
+        raise FieldError("grading.answer", "missing")
     return str(answer)
 
 
@@ -82,7 +84,7 @@ EXTRACTS = ("last_number", "tag", "all")
 def extract_mode(task: Mapping[str, Any]) -> str:
     how = str(task.get("extract", "all"))
     if how not in EXTRACTS:
-        raise ValueError(f"grading.extract: unknown {how!r} (known: {', '.join(EXTRACTS)})")
+        raise FieldError("grading.extract", f"unknown {how!r} (known: {', '.join(EXTRACTS)})")
     return how
 
 
@@ -102,7 +104,7 @@ def extract(response: str, how: str) -> str | None:
         return found[-1].strip() if found else None
     if how == "all":
         return response.strip()
-    raise ValueError(f"grading.extract: unknown {how!r} (known: last_number, tag, all)")
+    raise FieldError("grading.extract", f"unknown {how!r} (known: last_number, tag, all)")
 
 
 def parse_options(cls: type[T], raw: Any, field: str) -> T:
@@ -111,12 +113,12 @@ def parse_options(cls: type[T], raw: Any, field: str) -> T:
     if raw is None:
         raw = {}
     if not isinstance(raw, Mapping):
-        raise ValueError(f"{field}: must be a map, got {type(raw).__name__}")
+        raise FieldError(field, f"must be a map, got {type(raw).__name__}")
     known = {f.name: f.default for f in dataclasses.fields(cls)}
     values = {}
     for key, value in raw.items():
         if key not in known:
-            raise ValueError(f"{field}.{key}: unknown option (known: {', '.join(known) or 'none'})")
+            raise FieldError(f"{field}.{key}", f"unknown option (known: {', '.join(known) or 'none'})")
         values[key] = _typed(value, known[key], f"{field}.{key}")
     return cls(**values)
 
@@ -130,4 +132,4 @@ def _typed(value: Any, default: Any, field: str) -> Any:
             return float(value)
     elif isinstance(value, type(default)) and not isinstance(value, bool):
         return value
-    raise ValueError(f"{field}: must be {type(default).__name__}, got {value!r}")
+    raise FieldError(field, f"must be {type(default).__name__}, got {value!r}")

@@ -7,6 +7,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from services.common.errors import FieldError
 from services.reward.sandbox import Sandbox, shared_sandbox
 from services.reward.sandbox.languages import language
 from services.reward.verifiers.base import parse_options
@@ -23,7 +24,7 @@ class CodeOptions:
 
     def __post_init__(self) -> None:
         if not 0 <= self.timeout_s <= MAX_TIMEOUT_S:
-            raise ValueError(f"grading.verifier_options.timeout_s: must be in [0, {MAX_TIMEOUT_S:g}], "
+            raise FieldError("grading.verifier_options.timeout_s", f"must be in [0, {MAX_TIMEOUT_S:g}], "
                              f"got {self.timeout_s}")
 
 
@@ -52,7 +53,7 @@ def task_field(task: Mapping[str, Any], key: str, default: Any = None) -> Any:
 def task_language(task: Mapping[str, Any]) -> str:
     name = task_field(task, "language", "python")
     if not isinstance(name, str):
-        raise ValueError(f"grading.language: must be a string, got {name!r}")
+        raise FieldError("grading.language", f"must be a string, got {name!r}")
     try:
         language(name)
     except ValueError as exc:
@@ -63,7 +64,7 @@ def task_language(task: Mapping[str, Any]) -> str:
 def required_text(task: Mapping[str, Any], key: str) -> str:
     value = task_field(task, key)
     if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"grading.{key}: missing (a non-empty string, in grading or its row)")
+        raise FieldError(f"grading.{key}", "missing (a non-empty string, in grading or its row)")
     return value
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from services.common.errors import FieldError
 from services.reward.verifiers.base import Verdict
 from services.reward.verifiers.code import SandboxedVerifier, extract_code, options, task_field, task_language
 
@@ -20,18 +21,18 @@ MAX_CASES = 100
 def cases(task: Mapping[str, Any]) -> list[tuple[str, str]]:
     raw = task_field(task, "cases")
     if not isinstance(raw, list) or not raw:
-        raise ValueError("grading.cases: missing (a list of {input, output} maps)")
+        raise FieldError("grading.cases", "missing (a list of {input, output} maps)")
     if len(raw) > MAX_CASES:
-        raise ValueError(f"grading.cases: at most {MAX_CASES}, got {len(raw)}")
+        raise FieldError("grading.cases", f"at most {MAX_CASES}, got {len(raw)}")
     out = []
     for i, case in enumerate(raw):
         if not isinstance(case, Mapping):
-            raise ValueError(f"grading.cases[{i}]: must be a map with input and output")
+            raise FieldError(f"grading.cases[{i}]", "must be a map with input and output")
         for key in ("input", "output"):
             if not isinstance(case.get(key), str):
-                raise ValueError(f"grading.cases[{i}].{key}: missing (a string)")
+                raise FieldError(f"grading.cases[{i}].{key}", "missing (a string)")
         if set(case) - {"input", "output"}:
-            raise ValueError(f"grading.cases[{i}]: unknown keys {sorted(set(case) - {'input', 'output'})}")
+            raise FieldError(f"grading.cases[{i}]", f"unknown keys {sorted(set(case) - {'input', 'output'})}")
         out.append((case["input"], case["output"]))
     return out
 

@@ -23,6 +23,7 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
+from services.common.errors import FieldError
 from services.reward.verifiers.base import Verdict
 from services.reward.verifiers.code import (
     SandboxedVerifier,
@@ -101,16 +102,16 @@ class CodeTestsVerifier(SandboxedVerifier):
     def check(self, task: Mapping[str, Any]) -> None:
         options(task)
         if task_language(task) != "python":
-            raise ValueError("grading.language: code_tests runs Python tests only")
+            raise FieldError("grading.language", "code_tests runs Python tests only")
         try:
             ast.parse(required_text(task, "tests"))
         except SyntaxError as exc:
-            raise ValueError(f"grading.tests: not valid Python ({exc.msg}, line {exc.lineno})") from None
+            raise FieldError("grading.tests", f"not valid Python ({exc.msg}, line {exc.lineno})") from None
         entry = task_field(task, "entry_point")
         if entry is not None and not (isinstance(entry, str) and _IDENTIFIER.fullmatch(entry)):
-            raise ValueError(f"grading.entry_point: must be a function name, got {entry!r}")
+            raise FieldError("grading.entry_point", f"must be a function name, got {entry!r}")
         if not isinstance(task_field(task, "code_prefix", ""), str):
-            raise ValueError("grading.code_prefix: must be a string")
+            raise FieldError("grading.code_prefix", "must be a string")
 
     def score(self, response: str, task: Mapping[str, Any]) -> Verdict:
         self.check(task)

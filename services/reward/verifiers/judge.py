@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from services.common.errors import FieldError
 from services.reward.verifiers.base import Verdict, parse_options
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ Response:
 
 Explain your judgement in a few sentences, then end with a line of the form "SCORE: <n>", where <n> is a number \
 from {score_min} (worst) to {score_max} (best)."""
+
 _SCORE = re.compile(r"score\W{0,4}?[:=]\W{0,4}?(-?\d+(?:\.\d+)?)", re.I)
 
 
@@ -81,25 +83,25 @@ class JudgeConfig:
 
     def __post_init__(self) -> None:
         if self.base_url and not re.match(r"https?://[^/\s]+", self.base_url):
-            raise ValueError(f"base_url: must start with http:// or https://, got {self.base_url!r}")
+            raise FieldError("base_url", f"must start with http:// or https://, got {self.base_url!r}")
         if self.base_url and not self.model:
-            raise ValueError("model: required when base_url is set")
+            raise FieldError("model", "required when base_url is set")
         if sum(bool(s) for s in (self.api_key_env, self.api_key_file, self.api_key)) > 1:
-            raise ValueError("api_key_env: set at most one of api_key_env, api_key_file, api_key")
+            raise FieldError("api_key_env", "set at most one of api_key_env, api_key_file, api_key")
         if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s}")
+            raise FieldError("timeout_s", f"must be > 0, got {self.timeout_s}")
         if self.max_retries < 0:
-            raise ValueError(f"max_retries: must be >= 0, got {self.max_retries}")
+            raise FieldError("max_retries", f"must be >= 0, got {self.max_retries}")
         for name in ("backoff_s", "backoff_max_s", "temperature"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name}: must be >= 0, got {value}")
+                raise FieldError(name, f"must be >= 0, got {value}")
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
+            raise FieldError("max_tokens", f"must be >= 1, got {self.max_tokens}")
         if not (math.isfinite(self.score_min) and math.isfinite(self.score_max) and self.score_max > self.score_min):
-            raise ValueError(f"score_max: must be > score_min ({self.score_min}), got {self.score_max}")
+            raise FieldError("score_max", f"must be > score_min ({self.score_min}), got {self.score_max}")
         if not math.isfinite(self.failure_reward):
-            raise ValueError(f"failure_reward: must be finite, got {self.failure_reward}")
+            raise FieldError("failure_reward", f"must be finite, got {self.failure_reward}")
         check_rubric(self.rubric, "rubric")
 
     @property
@@ -112,15 +114,15 @@ class JudgeConfig:
         if self.api_key_env:
             value = environ.get(self.api_key_env, "").strip()
             if not value:
-                raise ValueError(f"api_key_env: environment variable {self.api_key_env} is not set")
+                raise FieldError("api_key_env", f"environment variable {self.api_key_env} is not set")
             return value
         if self.api_key_file:
             try:
                 value = pathlib.Path(self.api_key_file).read_text(encoding="utf-8").strip()
             except OSError as exc:
-                raise ValueError(f"api_key_file: cannot read {self.api_key_file} ({exc.strerror})") from exc
+                raise FieldError("api_key_file", f"cannot read {self.api_key_file} ({exc.strerror})") from exc
             if not value:
-                raise ValueError(f"api_key_file: {self.api_key_file} is empty")
+                raise FieldError("api_key_file", f"{self.api_key_file} is empty")
             return value
         return self.api_key or NO_KEY
 
@@ -141,13 +143,13 @@ def check_rubric(template: str, field: str) -> None:
     try:
         names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
     except ValueError as exc:
-        raise ValueError(f"{field}: not a format template ({exc})") from exc
+        raise FieldError(field, f"not a format template ({exc})") from exc
     for name in names:
         if name not in PLACEHOLDERS:
-            raise ValueError(f"{field}: unknown placeholder {{{name}}} (known: {', '.join(PLACEHOLDERS)}; "
+            raise FieldError(field, f"unknown placeholder {{{name}}} (known: {', '.join(PLACEHOLDERS)}; "
                              "write {{ and }} for braces)")
     if "response" not in names:
-        raise ValueError(f"{field}: must contain {{response}}")
+        raise FieldError(field, "must contain {response}")
 
 
 def question_of(task: Mapping[str, Any]) -> str | None:
@@ -211,15 +213,15 @@ class JudgeVerifier:
     def _options(self, task: Mapping[str, Any]) -> tuple[JudgeConfig, JudgeOptions]:
         config = self.config
         if not config.enabled:
-            raise ValueError("judge.base_url: no LLM judge is configured for llm_judge "
+            raise FieldError("judge.base_url", "no LLM judge is configured for llm_judge "
                              "(set judge.base_url and judge.model in the reward config)")
         options = parse_options(JudgeOptions, task.get("verifier_options"), FIELD)
         check_rubric(options.rubric, f"{FIELD}.rubric")
         if options.max_tokens < 0:
-            raise ValueError(f"{FIELD}.max_tokens: must be >= 0, got {options.max_tokens}")
+            raise FieldError(f"{FIELD}.max_tokens", f"must be >= 0, got {options.max_tokens}")
         if "question" in self._placeholders(options.rubric or config.rubric or DEFAULT_RUBRIC) and \
                 question_of(task) is None:
-            raise ValueError("grading.question: missing (the judge's rubric shows it; or grading.prompt)")
+            raise FieldError("grading.question", "missing (the judge's rubric shows it; or grading.prompt)")
         return config, options
 
     @staticmethod

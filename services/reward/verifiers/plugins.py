@@ -20,6 +20,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from services.common.errors import FieldError
 from services.reward.verifiers.base import REWARD_RANGE, Verdict, check_range
 
 GROUP = "meshrl.verifiers"
@@ -48,7 +49,7 @@ class PluginVerifier:
         except ValueError:
             raise
         except Exception as exc:  # noqa: BLE001 - a plugin that cannot read this task refuses it, naming itself
-            raise ValueError(f"grading: refused by plugin {self.name!r} ({type(exc).__name__}: {exc})") from exc
+            raise FieldError("grading", f"refused by plugin {self.name!r} ({type(exc).__name__}: {exc})") from exc
 
     def score(self, response: str, task: Mapping[str, Any]) -> Verdict:
         result = self._score(response, task)
@@ -69,10 +70,10 @@ def load(name: str, ep: importlib.metadata.EntryPoint, field: str) -> PluginVeri
         obj = ep.load()
         impl = obj() if isinstance(obj, type) else obj
     except Exception as exc:  # noqa: BLE001 - whatever a broken plugin raises, name it and the field
-        raise ValueError(f"{field}: plugin {name!r} ({ep.value}) failed to load: {type(exc).__name__}: {exc}") from exc
+        raise FieldError(field, f"plugin {name!r} ({ep.value}) failed to load: {type(exc).__name__}: {exc}") from exc
     if not callable(getattr(impl, "score", impl)):
-        raise ValueError(f"{field}: plugin {name!r} ({ep.value}) has no score(response, task)")
+        raise FieldError(field, f"plugin {name!r} ({ep.value}) has no score(response, task)")
     try:
         return PluginVerifier(name, impl)
     except ValueError as exc:
-        raise ValueError(f"{field}: {exc}") from None
+        raise FieldError(field, f"{exc}") from None

@@ -20,6 +20,7 @@ from typing import Any
 
 import msgpack
 
+from services.common.errors import FieldError
 from services.reward.verifiers.base import Verdict
 from services.reward.verifiers.worker import HEADER
 
@@ -111,7 +112,7 @@ class VerifierPool:
                 if reply[0] == "invalid":
                     raise ValueError(str(reply[1]))
                 if reply[0] != "ok":
-                    raise ValueError(f"verifier: {verifier!r} does not load in a worker: {reply[1]}")
+                    raise FieldError("verifier", f"{verifier!r} does not load in a worker: {reply[1]}")
                 worker.loaded.add(verifier)
             reply = self._call(worker, ["score", verifier, response, dict(task)], timeout_s)
             if reply is None:

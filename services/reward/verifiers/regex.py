@@ -13,6 +13,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from services.common.errors import FieldError
 from services.reward.verifiers.base import Verdict, parse_options, reference_answer
 from services.reward.verifiers.normalize import Normalization
 
@@ -27,13 +28,13 @@ class RegexOptions(Normalization):
 def compile_pattern(pattern: str, field: str, *, groups: bool) -> re.Pattern[str]:
     """ValueError naming `field` for a missing or broken pattern (or one without a capture group, if `groups`)."""
     if not pattern:
-        raise ValueError(f"{field}: missing")
+        raise FieldError(field, "missing")
     try:
         compiled = re.compile(pattern)
     except (re.error, RecursionError, OverflowError) as exc:
-        raise ValueError(f"{field}: not a regular expression ({exc})") from exc
+        raise FieldError(field, f"not a regular expression ({exc})") from exc
     if groups and compiled.groups < 1:
-        raise ValueError(f"{field}: needs a capture group for the answer")
+        raise FieldError(field, "needs a capture group for the answer")
     return compiled
 
 

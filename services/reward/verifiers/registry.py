@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from services.common.errors import FieldError
 from services.reward.verifiers import plugins, rgym
 from services.reward.verifiers.base import Verifier
 from services.reward.verifiers.code_io import CodeIOVerifier
@@ -30,13 +31,13 @@ def build_verifier(name: str, field: str = "verifier") -> Verifier:
     if name.startswith(rgym.PREFIX):
         family = name.removeprefix(rgym.PREFIX)
         if family not in rgym.families():
-            raise ValueError(f"{field}: unknown reasoning-gym family {family!r} (ListVerifiers lists them)")
+            raise FieldError(field, f"unknown reasoning-gym family {family!r} (ListVerifiers lists them)")
         return rgym.ReasoningGymVerifier(family)
     found = plugins.discover()
     if name in found:
         return plugins.load(name, found[name], field)
     known = [*BUILTIN, f"{rgym.PREFIX}<family>", *sorted(found)]
-    raise ValueError(f"{field}: unknown {name!r} (known: {', '.join(known)})")
+    raise FieldError(field, f"unknown {name!r} (known: {', '.join(known)})")
 
 
 def verifier_names() -> list[str]:

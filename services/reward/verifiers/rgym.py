@@ -11,6 +11,7 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from services.common.errors import FieldError
 from services.reward.verifiers.base import NoOptions, Verdict, extract, extract_mode, parse_options
 
 PREFIX = "reasoning_gym:"
@@ -33,12 +34,12 @@ def _score_fn(family: str) -> Callable[[str | None, dict[str, Any]], float]:
 def entry(task: Mapping[str, Any]) -> dict[str, Any]:
     value = task.get("rg_entry")
     if not isinstance(value, Mapping):
-        raise ValueError("grading.rg_entry: missing (the generated reasoning-gym entry: question, answer, metadata)")
+        raise FieldError("grading.rg_entry", "missing (the generated reasoning-gym entry: question, answer, metadata)")
     for key in ("question", "answer", "metadata"):
         if key not in value:
-            raise ValueError(f"grading.rg_entry.{key}: missing")
+            raise FieldError(f"grading.rg_entry.{key}", "missing")
     if not isinstance(value["metadata"], Mapping):
-        raise ValueError("grading.rg_entry.metadata: must be a map")
+        raise FieldError("grading.rg_entry.metadata", "must be a map")
     return dict(value)
 
 

@@ -15,6 +15,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from services.common.errors import FieldError
 from services.reward.verifiers.base import Verdict, parse_options
 from services.reward.verifiers.regex import compile_pattern
 
@@ -42,12 +43,12 @@ class LengthTerm:
 
     def validate(self, field: str) -> None:
         if (self.max_chars > 0) == (self.max_tokens > 0) or min(self.max_chars, self.max_tokens) < 0:
-            raise ValueError(f"{field}: give one of max_chars, max_tokens, as a positive integer")
+            raise FieldError(field, "give one of max_chars, max_tokens, as a positive integer")
 
     def value(self, response: str, n_tokens: int | None) -> float:
         limit, size = (self.max_chars, len(response)) if self.max_chars else (self.max_tokens, n_tokens)
         if size is None:
-            raise ValueError("max_tokens: no token count for this response (use max_chars)")
+            raise FieldError("max_tokens", "no token count for this response (use max_chars)")
         return -self.weight * min(1.0, max(0, size - limit) / limit)
 
 
@@ -60,15 +61,15 @@ def parse_shaping(raw: Any) -> list[Term]:
     if raw is None:
         return []
     if not isinstance(raw, list | tuple):
-        raise ValueError("grading.shaping: must be a list of maps")
+        raise FieldError("grading.shaping", "must be a list of maps")
     terms = []
     for i, item in enumerate(raw):
         field = f"grading.shaping[{i}]"
         if not isinstance(item, Mapping):
-            raise ValueError(f"{field}: must be a map")
+            raise FieldError(field, "must be a map")
         name = item.get("name")
         if not isinstance(name, str) or name not in TERMS:
-            raise ValueError(f"{field}.name: unknown {name!r} (known: {', '.join(TERMS)})")
+            raise FieldError(f"{field}.name", f"unknown {name!r} (known: {', '.join(TERMS)})")
         term = parse_options(TERMS[name], {k: v for k, v in item.items() if k != "name"}, field)
         term.validate(field)
         terms.append(term)

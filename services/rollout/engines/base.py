@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
+from services.common.errors import FieldError
 from services.rollout.engines.sequence import Sampling, Sequence
 
 MAX_SAMPLES = 1024  # samples of one prompt per call (Generate.n, PromptWork.group_size)
@@ -95,17 +96,17 @@ def check_request(prompt_ids: list[int], sampling: Sampling, n: int, *, max_cont
                   vocab_size: int | None) -> None:
     """What every engine checks before admitting a request; ValueError naming the field."""
     if not isinstance(sampling, Sampling):
-        raise ValueError(f"sampling: expected Sampling, got {type(sampling).__name__}")
+        raise FieldError("sampling", f"expected Sampling, got {type(sampling).__name__}")
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLES:
-        raise ValueError(f"n: must be an integer in [1, {MAX_SAMPLES}], got {n!r}")
+        raise FieldError("n", f"must be an integer in [1, {MAX_SAMPLES}], got {n!r}")
     if not prompt_ids:
-        raise ValueError("prompt_ids: empty")
+        raise FieldError("prompt_ids", "empty")
     if len(prompt_ids) >= max_context:
-        raise ValueError(f"prompt_ids: {len(prompt_ids)} tokens, the engine holds at most {max_context - 1}")
+        raise FieldError("prompt_ids", f"{len(prompt_ids)} tokens, the engine holds at most {max_context - 1}")
     check_token_ids(prompt_ids, vocab_size, "prompt_ids")
     check_token_ids(sampling.stop_token_ids, vocab_size, "stop_token_ids", allow_empty=True)
     if sampling.max_new_tokens > max_context:
-        raise ValueError(f"max_new_tokens: must be <= the engine's context {max_context}, got {sampling.max_new_tokens}")
+        raise FieldError("max_new_tokens", f"must be <= the engine's context {max_context}, got {sampling.max_new_tokens}")
 
 
 def check_token_ids(ids, vocab_size: int | None, field: str, *, allow_empty: bool = False) -> None:
@@ -113,11 +114,11 @@ def check_token_ids(ids, vocab_size: int | None, field: str, *, allow_empty: boo
     if not ids:
         if allow_empty:
             return
-        raise ValueError(f"{field}: empty")
+        raise FieldError(field, "empty")
     if not all(type(t) is int for t in ids):
-        raise ValueError(f"{field}: token ids must be integers")
+        raise FieldError(field, "token ids must be integers")
     low, high = min(ids), max(ids)
     if low < 0 or (vocab_size is not None and high >= vocab_size):
         bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
         bad = low if low < 0 else high
-        raise ValueError(f"{field}: token id {bad} is outside the vocabulary {bound}")
+        raise FieldError(field, f"token id {bad} is outside the vocabulary {bound}")

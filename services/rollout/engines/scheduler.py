@@ -18,6 +18,7 @@ import collections
 import dataclasses
 import time
 
+from services.common.errors import FieldError
 from services.rollout.engines.sequence import Sequence, Status
 
 
@@ -44,7 +45,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         if len(seq.prompt_ids) >= self.max_context:
-            raise ValueError(f"prompt_ids: {len(seq.prompt_ids)} tokens, the engine holds at most {self.max_context - 1}")
+            raise FieldError("prompt_ids", f"{len(seq.prompt_ids)} tokens, the engine holds at most {self.max_context - 1}")
         (self.urgent if seq.priority else self.waiting).append(seq)
 
     @property

@@ -8,6 +8,8 @@ import itertools
 import math
 from collections.abc import Callable
 
+from services.common.errors import FieldError
+
 _ids = itertools.count()
 
 
@@ -33,17 +35,17 @@ class Sampling:
 
     def __post_init__(self) -> None:
         if not _real(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
-            raise ValueError(f"temperature: must be a finite number in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
+            raise FieldError("temperature", f"must be a finite number in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if not _real(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+            raise FieldError("top_p", f"must be in (0, 1], got {self.top_p}")
         if not _integer(self.top_k) or not 0 <= self.top_k <= MAX_TOP_K:
-            raise ValueError(f"top_k: must be an integer in [0, {MAX_TOP_K}], got {self.top_k}")
+            raise FieldError("top_k", f"must be an integer in [0, {MAX_TOP_K}], got {self.top_k}")
         if not _integer(self.max_new_tokens) or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
-            raise ValueError(f"max_new_tokens: must be an integer in [1, {MAX_NEW_TOKENS}], got {self.max_new_tokens}")
+            raise FieldError("max_new_tokens", f"must be an integer in [1, {MAX_NEW_TOKENS}], got {self.max_new_tokens}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}, got {len(self.stop_token_ids)}")
+            raise FieldError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS}, got {len(self.stop_token_ids)}")
         if not all(_integer(t) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids: must be token ids >= 0")
+            raise FieldError("stop_token_ids", "must be token ids >= 0")
 
 
 def _real(value: object) -> bool:

@@ -40,6 +40,7 @@ import urllib.request
 
 import httpx
 
+from services.common.errors import FieldError
 from services.common.logging import get_logger
 from services.common.runtime import sleep_or_stop
 from services.rollout.engines.base import EngineStats, check_request
@@ -53,14 +54,14 @@ def engine_args(*, model_path: str, max_batch: int, max_context: int, dtype: str
                 run_dir: str) -> dict:
     """The engine section's checks and what the model directory says: the keyword arguments of a ServerEngine."""
     if dtype not in DTYPES:
-        raise ValueError(f"engine.dtype: must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        raise FieldError("engine.dtype", f"must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if max_batch < 1:
-        raise ValueError(f"engine.max_batch: must be >= 1, got {max_batch}")
+        raise FieldError("engine.max_batch", f"must be >= 1, got {max_batch}")
     if max_context < 2:
-        raise ValueError(f"engine.max_context: must be >= 2, got {max_context}")
+        raise FieldError("engine.max_context", f"must be >= 2, got {max_context}")
     model = pathlib.Path(model_path)
     if not (model / "config.json").is_file():
-        raise ValueError(f"engine.model_path: {model_path!r} is not a Hugging Face model directory (config.json)")
+        raise FieldError("engine.model_path", f"{model_path!r} is not a Hugging Face model directory (config.json)")
     config = json.loads((model / "config.json").read_text())
     vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
     return dict(model_path=str(model), max_batch=max_batch, max_context=max_context, dtype=dtype, seed=seed,

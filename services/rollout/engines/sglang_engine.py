@@ -46,6 +46,7 @@ import uuid
 
 import httpx
 
+from services.common.errors import FieldError
 from services.common.net import free_port
 from services.rollout.engines.sequence import Sequence, Status
 from services.rollout.engines.server_engine import (
@@ -89,28 +90,28 @@ class SGLangConfig:
 
     def __post_init__(self) -> None:
         if self.url and not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"engine.sglang.url: must start with http:// or https://, got {self.url!r}")
+            raise FieldError("engine.sglang.url", f"must start with http:// or https://, got {self.url!r}")
         for name in ("port", "group_port"):
             if not 0 <= getattr(self, name) <= 65535:
-                raise ValueError(f"engine.sglang.{name}: must be in [0, 65535], got {getattr(self, name)}")
+                raise FieldError(f"engine.sglang.{name}", f"must be in [0, 65535], got {getattr(self, name)}")
         if self.tp_size < 1:
-            raise ValueError(f"engine.sglang.tp_size: must be >= 1, got {self.tp_size}")
+            raise FieldError("engine.sglang.tp_size", f"must be >= 1, got {self.tp_size}")
         if not 0 <= self.mem_fraction_static < 1:
-            raise ValueError(f"engine.sglang.mem_fraction_static: must be in [0, 1), got {self.mem_fraction_static}")
+            raise FieldError("engine.sglang.mem_fraction_static", f"must be in [0, 1), got {self.mem_fraction_static}")
         for name in ("startup_timeout", "request_timeout", "control_timeout", "connect_timeout"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"engine.sglang.{name}: must be a positive number of seconds, got {value!r}")
+                raise FieldError(f"engine.sglang.{name}", f"must be a positive number of seconds, got {value!r}")
         if self.max_connections < 1:
-            raise ValueError(f"engine.sglang.max_connections: must be >= 1, got {self.max_connections}")
+            raise FieldError("engine.sglang.max_connections", f"must be >= 1, got {self.max_connections}")
         if self.weight_sync not in WEIGHT_SYNCS:
-            raise ValueError(f"engine.sglang.weight_sync: must be one of {', '.join(WEIGHT_SYNCS)}, "
+            raise FieldError("engine.sglang.weight_sync", f"must be one of {', '.join(WEIGHT_SYNCS)}, "
                              f"got {self.weight_sync!r}")
         if self.group_backend not in GROUP_BACKENDS:
-            raise ValueError(f"engine.sglang.group_backend: must be one of {', '.join(GROUP_BACKENDS)}, "
+            raise FieldError("engine.sglang.group_backend", f"must be one of {', '.join(GROUP_BACKENDS)}, "
                              f"got {self.group_backend!r}")
         if not all(isinstance(a, str) for a in self.extra_args):
-            raise ValueError("engine.sglang.extra_args: must be strings")
+            raise FieldError("engine.sglang.extra_args", "must be strings")
 
     def build(self, *, model_path: str, max_batch: int, max_context: int, dtype: str = "float32", seed: int = 0,
               version: int = 0, run_dir: str = "") -> SGLangEngine:

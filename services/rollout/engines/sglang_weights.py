@@ -20,6 +20,8 @@ import shutil
 from collections.abc import Mapping
 from typing import Any
 
+from services.common.errors import FieldError
+
 SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
@@ -51,7 +53,7 @@ def _write_safetensors(tensors: Mapping[str, Any], path: pathlib.Path) -> None:
     for name, t in tensors.items():
         dtype = str(t.dtype).removeprefix("torch.")
         if dtype not in SAFETENSORS_DTYPES:
-            raise ValueError(f"{name}: dtype {dtype} cannot be written (expected {', '.join(SAFETENSORS_DTYPES)})")
+            raise FieldError(name, f"dtype {dtype} cannot be written (expected {', '.join(SAFETENSORS_DTYPES)})")
     save_file({name: t.detach().to("cpu", copy=True).contiguous() for name, t in tensors.items()}, str(path))
 
 

@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from services.common.cpu_features import describe
 from services.common.device import check_device, resolve_device
+from services.common.errors import FieldError
 from services.common.logging import get_logger
 from services.common.torch_threads import fix_torch_threads
 from services.rollout.engines.base import EngineStats, EngineUnhealthy, check_request
@@ -55,7 +56,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         check_device(self.device)
         if self.dtype not in DTYPES:
-            raise ValueError(f"engine.dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+            raise FieldError("engine.dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 
     def build(self) -> EmbeddedEngine:
         # This thread only loads; the engine's own thread runs the model with torch_threads (see _loop). A second

@@ -22,6 +22,7 @@ from typing import Any
 from unittest import mock  # patch.dict: set and restore environment variables around the launch
 
 from services.common.device import check_device, resolve_device
+from services.common.errors import FieldError
 from services.common.logging import get_logger
 from services.rollout.engines.vllm_engine import VLLMConfig, VLLMEngine
 
@@ -32,7 +33,7 @@ def check_ascend_device(device: str) -> None:
     """ValueError naming engine.device unless it is npu or npu:N (nothing imported)."""
     check_device(device, "engine.device")
     if device.partition(":")[0] != "npu":
-        raise ValueError(f"engine.device: engine.kind vllm_ascend runs on Ascend NPUs: set npu or npu:N, got {device!r}")
+        raise FieldError("engine.device", f"engine.kind vllm_ascend runs on Ascend NPUs: set npu or npu:N, got {device!r}")
 
 
 def build_vllm_ascend(config: VLLMConfig, *, device: str, **engine_args) -> VLLMAscendEngine:

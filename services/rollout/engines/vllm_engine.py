@@ -38,6 +38,7 @@ import uuid
 
 import torch
 
+from services.common.errors import FieldError
 from services.common.net import free_port
 from services.rollout.engines.sequence import Sampling, Sequence, Status
 from services.rollout.engines.server_engine import (
@@ -78,21 +79,21 @@ class VLLMConfig:
 
     def __post_init__(self) -> None:
         if self.url and not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"vllm.url: must start with http:// or https://, got {self.url!r}")
+            raise FieldError("vllm.url", f"must start with http:// or https://, got {self.url!r}")
         if not 0 <= self.port <= 65535:
-            raise ValueError(f"vllm.port: must be in [0, 65535], got {self.port}")
+            raise FieldError("vllm.port", f"must be in [0, 65535], got {self.port}")
         if self.kv_cache_gib < 1:
-            raise ValueError(f"vllm.kv_cache_gib: must be >= 1, got {self.kv_cache_gib}")
+            raise FieldError("vllm.kv_cache_gib", f"must be >= 1, got {self.kv_cache_gib}")
         if self.logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"vllm.logprobs_mode: must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
+            raise FieldError("vllm.logprobs_mode", f"must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         for name in ("startup_timeout", "request_timeout", "control_timeout"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"vllm.{name}: must be a positive number of seconds, got {value!r}")
+                raise FieldError(f"vllm.{name}", f"must be a positive number of seconds, got {value!r}")
         if self.max_connections < 1:
-            raise ValueError(f"vllm.max_connections: must be >= 1, got {self.max_connections}")
+            raise FieldError("vllm.max_connections", f"must be >= 1, got {self.max_connections}")
         if not all(isinstance(a, str) for a in self.extra_args):
-            raise ValueError("vllm.extra_args: must be strings")
+            raise FieldError("vllm.extra_args", "must be strings")
 
     def build(self, *, model_path: str, max_batch: int, max_context: int, dtype: str = "float32", seed: int = 0,
               version: int = 0, run_dir: str = "") -> VLLMEngine:
@@ -113,7 +114,7 @@ class Stage:
         model = pathlib.Path(model_path)
         files = sorted(model.glob("*.safetensors"))
         if not files:
-            raise ValueError(f"engine.model_path: no *.safetensors in {model_path!r}")
+            raise FieldError("engine.model_path", f"no *.safetensors in {model_path!r}")
         tied = bool(read_json(model / "config.json").get("tie_word_embeddings", False))
         entries: list[tuple[str, tuple[int, ...], pathlib.Path]] = []
         for f in files:

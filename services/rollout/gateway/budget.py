@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from services.common.errors import FieldError
+
 
 @dataclasses.dataclass
 class _Group:
@@ -34,7 +36,7 @@ class GroupBudget:
     def update(self, *, limit: int, released: int = 0, arrived: int = 0) -> None:
         for name, value in (("limit", limit), ("released", released), ("arrived", arrived)):
             if value < 0:
-                raise ValueError(f"{name}: must be >= 0, got {value}")
+                raise FieldError(name, f"must be >= 0, got {value}")
         self.limit = limit if self.limit is None else max(self.limit, limit)
         self.released = max(self.released, released)
         self.arrived = max(self.arrived, arrived)

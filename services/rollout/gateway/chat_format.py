@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from services.common.errors import FieldError
 from services.rollout.gateway.errors import bad_request
 from services.rollout.gateway.messages import Message, Tool
 from services.rollout.gateway.toolcalls import CLOSE, OPEN
@@ -29,7 +30,7 @@ HERMES_TOOL_PROMPT = (
 class ChatFormat:
     def __init__(self, tokenizer: Any, extra_stop_tokens: list[str] | tuple[str, ...] = ()) -> None:
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("tokenizer: has no chat_template; the gateway renders messages with the model's template")
+            raise FieldError("tokenizer", "has no chat_template; the gateway renders messages with the model's template")
         self.tokenizer = tokenizer
         self.template_tools = "tools" in str(tokenizer.chat_template)
         vocab = tokenizer.get_vocab()
@@ -82,7 +83,7 @@ class ChatFormat:
         user = Message(role="user", content="ping")
         text = self.render([user, Message(role="assistant", content=_SENTINEL)], [], add_generation_prompt=False)
         if _SENTINEL not in text:
-            raise ValueError("tokenizer.chat_template: does not render assistant message content")
+            raise FieldError("tokenizer.chat_template", "does not render assistant message content")
         close = text[text.rindex(_SENTINEL) + len(_SENTINEL):]
         for token_id in sorted(self.stop_token_ids):
             marker = self.token_text(token_id)
@@ -90,7 +91,7 @@ class ChatFormat:
                 return marker, [token_id]
         marker = close.rstrip() or close
         if not marker:
-            raise ValueError("tokenizer.chat_template: cannot find where an assistant turn ends")
+            raise FieldError("tokenizer.chat_template", "cannot find where an assistant turn ends")
         return marker, self.encode(marker)
 
 

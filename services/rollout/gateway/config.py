@@ -14,6 +14,8 @@ import secrets
 import time
 from typing import Literal
 
+from services.common.errors import FieldError
+
 ADMIN_KEY_ENV = "MESHRL_ADMIN_KEY"
 ADMIN_KEY_FILE_ENV = "MESHRL_ADMIN_KEY_FILE"
 ADMIN_KEY_FILE = pathlib.Path("secrets") / "gateway_admin_key"   # under the run directory
@@ -95,40 +97,40 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         if self.export_mode not in ("session", "interaction"):
-            raise ValueError(f"export_mode: expected 'session' or 'interaction', got {self.export_mode!r}")
+            raise FieldError("export_mode", f"expected 'session' or 'interaction', got {self.export_mode!r}")
         if not 0.0 <= self.turn_discount <= 1.0:
-            raise ValueError(f"turn_discount: must be in [0, 1], got {self.turn_discount}")
+            raise FieldError("turn_discount", f"must be in [0, 1], got {self.turn_discount}")
         for name in ("max_wait_s", "idle_timeout_s", "poll_interval_s", "stream_interval_s", "request_timeout_s"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+                raise FieldError(name, f"must be > 0, got {getattr(self, name)}")
         if not 0.0 < self.max_abs_reward <= FLOAT32_MAX:
-            raise ValueError(f"max_abs_reward: must be in (0, {FLOAT32_MAX:.8g}] (rewards travel as float32), "
+            raise FieldError("max_abs_reward", f"must be in (0, {FLOAT32_MAX:.8g}] (rewards travel as float32), "
                              f"got {self.max_abs_reward}")
         if self.max_trajectory_bytes < 0:
-            raise ValueError(f"max_trajectory_bytes: must be >= 0 (0: the bus's limit), got {self.max_trajectory_bytes}")
+            raise FieldError("max_trajectory_bytes", f"must be >= 0 (0: the bus's limit), got {self.max_trajectory_bytes}")
         if self.max_body_bytes < 1024:
-            raise ValueError(f"max_body_bytes: must be >= 1024, got {self.max_body_bytes}")
+            raise FieldError("max_body_bytes", f"must be >= 1024, got {self.max_body_bytes}")
         for name in ("max_inflight", "max_session_interactions", "max_session_tokens", "max_recorded_tokens",
                      "replay_max_entries", "idempotency_max_entries", "max_pending_publish", "max_json_depth",
                      "heavy_concurrency", "max_n", "max_sessions"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+                raise FieldError(name, f"must be >= 1, got {getattr(self, name)}")
         if self.heavy_queue < 0 or self.offload_bytes < 0:
             raise ValueError("heavy_queue, offload_bytes: must be >= 0")
         if self.admin_key:
             check_admin_key(self.admin_key)
         reserved = sorted(set(self.template_kwargs) & _RESERVED_TEMPLATE_KWARGS)
         if reserved:
-            raise ValueError(f"template_kwargs: {reserved} change how the template is applied; not allowed")
+            raise FieldError("template_kwargs", f"{reserved} change how the template is applied; not allowed")
 
 
 def check_admin_key(key: str) -> None:
     if key == PUBLIC_DEV_KEY or key == DEV_ADMIN_KEY:
-        raise ValueError("admin_key: the old public development key is refused; unset it to have one generated")
+        raise FieldError("admin_key", "the old public development key is refused; unset it to have one generated")
     if len(key) < MIN_ADMIN_KEY_CHARS:
-        raise ValueError(f"admin_key: must be at least {MIN_ADMIN_KEY_CHARS} characters")
+        raise FieldError("admin_key", f"must be at least {MIN_ADMIN_KEY_CHARS} characters")
     if not key.isprintable() or any(c.isspace() for c in key):
-        raise ValueError("admin_key: must be printable characters without whitespace")
+        raise FieldError("admin_key", "must be printable characters without whitespace")
 
 
 def admin_key_path(config: GatewayConfig, run_dir: str | os.PathLike | None = None) -> pathlib.Path:
@@ -170,7 +172,7 @@ def _read_key(path: pathlib.Path) -> str:
             # a read-only mount (a Kubernetes Secret: root-owned, readable by the pod's group) cannot be tightened;
             # it is trusted only when no other user may read it
             if mode & 0o007:
-                raise ValueError(f"admin_key_file: {path} is readable by every user (mode {mode:o}) and cannot be "
+                raise FieldError("admin_key_file", f"{path} is readable by every user (mode {mode:o}) and cannot be "
                                  "tightened") from None
     for _ in range(100):  # a concurrent creator may not have written it yet
         key = path.read_text().strip()
@@ -178,4 +180,4 @@ def _read_key(path: pathlib.Path) -> str:
             check_admin_key(key)
             return key
         time.sleep(0.01)
-    raise ValueError(f"admin_key_file: {path} is empty")
+    raise FieldError("admin_key_file", f"{path} is empty")

@@ -9,6 +9,7 @@ import uuid
 from typing import Any
 
 from services.common.contracts import data_pb2
+from services.common.errors import FieldError, field_error
 from services.common.ids import now
 from services.common.logging import get_logger
 from services.rollout.engines.sequence import Sampling
@@ -185,9 +186,9 @@ class Gateway:
         try:
             check(ids, sampling, n)
         except ValueError as exc:
-            field, _, problem = str(exc).partition(": ")
-            field = {"prompt_ids": "prompt", "max_new_tokens": "max_tokens"}.get(field, field)
-            raise bad_request(field, problem or str(exc)) from exc
+            found = field_error(exc) or FieldError("prompt", str(exc))
+            field = {"prompt_ids": "prompt", "max_new_tokens": "max_tokens"}.get(found.field, found.field)
+            raise bad_request(field, found.problem) from exc
 
     def _done(self, session: Session | None, replay: ReplayKey | None, token) -> None:
         self.inflight -= 1

@@ -17,6 +17,7 @@ import struct
 import msgpack
 
 from services.common.contracts import data_pb2
+from services.common.errors import FieldError
 from services.common.ids import now
 from services.common.sampling import path_sampling
 from services.rollout.gateway.session import Interaction, Session, discounted_returns
@@ -39,7 +40,7 @@ def check_rewards(trajectories: list[data_pb2.Trajectory], max_abs: float) -> No
         for value, what in ((t.reward, "the discounted sum of its turns' rewards"),
                             *((s.reward, "a turn's process reward") for s in t.step_rewards)):
             if not math.isfinite(value) or abs(value) > bound:
-                raise ValueError(f"reward: {t.trajectory_id} would carry {value:g} ({what}), outside "
+                raise FieldError("reward", f"{t.trajectory_id} would carry {value:g} ({what}), outside "
                                  f"[-{max_abs:g}, {max_abs:g}] (max_abs_reward); set smaller turn rewards")
 
 

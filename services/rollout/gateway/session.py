@@ -13,6 +13,7 @@ import hashlib
 import math
 import secrets
 
+from services.common.errors import FieldError
 from services.common.ids import new_id, now
 from services.rollout.gateway.messages import Message, Tool
 
@@ -150,9 +151,9 @@ class Session:
     def set_reward(self, reward: float, interaction_id: str | None = None, *,
                    max_abs: float = math.inf) -> list[Interaction]:
         if not math.isfinite(reward):
-            raise ValueError("reward: must be a finite number")
+            raise FieldError("reward", "must be a finite number")
         if abs(reward) > max_abs:  # past float32 it would become inf on the wire, and huge ones swamp a batch
-            raise ValueError(f"reward: {reward:g} is outside [-{max_abs:g}, {max_abs:g}] (max_abs_reward)")
+            raise FieldError("reward", f"{reward:g} is outside [-{max_abs:g}, {max_abs:g}] (max_abs_reward)")
         if not self.interactions:
             raise LookupError("the session has no interactions yet")
         if interaction_id is None:

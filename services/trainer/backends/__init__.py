@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from services.common.errors import FieldError
+
 if TYPE_CHECKING:
     from services.trainer.backends.base import TrainerBackend
     from services.trainer.config import TrainerConfig
@@ -22,12 +24,12 @@ BACKENDS = tuple(REGISTRY)
 
 def backend_class(name: str) -> type[TrainerBackend]:
     if name not in REGISTRY:
-        raise ValueError(f"backend: unknown {name!r}; one of {', '.join(BACKENDS)}")
+        raise FieldError("backend", f"unknown {name!r}; one of {', '.join(BACKENDS)}")
     module, _, cls = REGISTRY[name].partition(":")
     try:
         return getattr(importlib.import_module(module), cls)
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"backend: {name} is not available here ({exc})") from exc
+        raise FieldError("backend", f"{name} is not available here ({exc})") from exc
 
 
 def build(config: TrainerConfig) -> TrainerBackend:

@@ -8,6 +8,7 @@ import os
 
 import torch.distributed as dist
 
+from services.common.errors import FieldError
 from services.trainer.config import TrainerConfig
 
 ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -20,12 +21,12 @@ def collective_backend(device: str) -> str:
         return "gloo"
     if kind == "cuda":
         if not dist.is_nccl_available():
-            raise ValueError(f"device: {device} with ranks needs NCCL, which this torch build lacks")
+            raise FieldError("device", f"{device} with ranks needs NCCL, which this torch build lacks")
         return "nccl"
     try:
         import torch_npu  # noqa: F401  (registers the npu device and the hccl backend)
     except ImportError as exc:
-        raise ValueError(f"device: {device} needs torch_npu (the Ascend plugin), which is not installed") from exc
+        raise FieldError("device", f"{device} needs torch_npu (the Ascend plugin), which is not installed") from exc
     return "hccl"
 
 
@@ -35,7 +36,7 @@ def env_rank() -> tuple[int, int] | None:
         return None
     missing = [name for name in ENV if not os.environ.get(name)]
     if missing:
-        raise ValueError(f"ranks: a trainer rank needs {', '.join(ENV)} in its environment; missing {missing}")
+        raise FieldError("ranks", f"a trainer rank needs {', '.join(ENV)} in its environment; missing {missing}")
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
@@ -47,19 +48,19 @@ def join(config: TrainerConfig) -> bool:
     """Join the process group unless this process is in one already; True when this call created it."""
     if dist.is_initialized():
         if dist.get_world_size() != config.ranks:
-            raise ValueError(f"ranks: {config.ranks}, but this process group has {dist.get_world_size()} ranks")
+            raise FieldError("ranks", f"{config.ranks}, but this process group has {dist.get_world_size()} ranks")
         return False
     found = env_rank()
     timeout = datetime.timedelta(seconds=config.rank_timeout)
     backend = collective_backend(config.device)
     if found is None:
         if config.ranks != 1:
-            raise ValueError(f"ranks: {config.ranks} ranks are started by the launcher or torchrun, which set "
+            raise FieldError("ranks", f"{config.ranks} ranks are started by the launcher or torchrun, which set "
                              f"{', '.join(ENV)}; this process has none of them")
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return True
     rank, world = found
     if world != config.ranks:
-        raise ValueError(f"ranks: {config.ranks}, but WORLD_SIZE is {world}")
+        raise FieldError("ranks", f"{config.ranks}, but WORLD_SIZE is {world}")
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
     return True

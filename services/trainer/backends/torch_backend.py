@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.common.cpu_features import describe, native_bf16
 from services.common.device import host_copy, resolve_device
+from services.common.errors import FieldError
 from services.common.logging import get_logger
 from services.trainer.backends.base import TrainerBackend
 from services.trainer.batching import PackedBatch
@@ -191,8 +192,8 @@ def copy_into(params: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], w
     """Copy ``saved`` into ``params`` in place (the optimizer holds these tensors); every parameter must be there."""
     missing = sorted(set(params) - set(saved))
     if missing:
-        raise ValueError(f"{where}: no saved tensor for {missing[:3]} ({len(missing)} in all)")
+        raise FieldError(where, f"no saved tensor for {missing[:3]} ({len(missing)} in all)")
     for name, param in params.items():
         if saved[name].shape != param.shape:
-            raise ValueError(f"{where}: {name} is {tuple(saved[name].shape)}, the model has {tuple(param.shape)}")
+            raise FieldError(where, f"{name} is {tuple(saved[name].shape)}, the model has {tuple(param.shape)}")
         param.copy_(saved[name])

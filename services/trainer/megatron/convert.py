@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from services.common.errors import FieldError
 from services.weight_exchange.client.layouts.common import even, pad_to
 from services.weight_exchange.client.layouts.hf import dedupe_tied, hf_shards
 from services.weight_exchange.client.layouts.megatron import MegatronParallel, megatron_shards
@@ -23,9 +24,9 @@ VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
 def rank_parallel(spec: ModelSpec, side: Side, rank: int) -> MegatronParallel:
     """The coordinates of global rank `rank` of a `megatron:tp=..,pp=..,ep=..,etp=..,dp=..` side."""
     if side.framework != "megatron":
-        raise ValueError(f"side: expected a megatron side, got {side}")
+        raise FieldError("side", f"expected a megatron side, got {side}")
     if not 0 <= rank < side.world:
-        raise ValueError(f"rank: {rank} is outside [0, {side.world}) for {side}")
+        raise FieldError("rank", f"{rank} is outside [0, {side.world}) for {side}")
     return megatron_parallel(side, rank, spec.num_layers)
 
 
@@ -42,7 +43,7 @@ def canonical_state(hf_state: Mapping[str, torch.Tensor], spec: ModelSpec) -> di
     canon = spec.canonical()
     missing = [n for n in canon if n not in out]
     if missing:
-        raise ValueError(f"hf_state: {len(missing)} tensors of the model are missing, e.g. {missing[:3]}")
+        raise FieldError("hf_state", f"{len(missing)} tensors of the model are missing, e.g. {missing[:3]}")
     return {n: out[n] for n in canon}
 
 
@@ -53,7 +54,7 @@ def to_hf_module(canonical: Mapping[str, torch.Tensor], module_state: Mapping[st
         full = torch.empty(t.shape, dtype=t.dtype)
         for s in hf_shards(name, tuple(t.shape), "float32"):
             if s.canonical_name not in canonical:
-                raise ValueError(f"canonical: {s.canonical_name} is missing")
+                raise FieldError("canonical", f"{s.canonical_name} is missing")
             full[s.local_region.slices()] = canonical[s.canonical_name].reshape(s.local_region.sizes)
         out[name] = full
     return out
@@ -67,9 +68,9 @@ def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], spec: ModelSpec, par: M
     for s in megatron_shards(spec, par):
         src = hf_state.get(s.canonical_name)
         if src is None:
-            raise ValueError(f"hf_state: {s.canonical_name} is missing")
+            raise FieldError("hf_state", f"{s.canonical_name} is missing")
         if tuple(src.shape) != canon[s.canonical_name]:
-            raise ValueError(f"hf_state[{s.canonical_name}]: shape {tuple(src.shape)}, the model has "
+            raise FieldError(f"hf_state[{s.canonical_name}]", f"shape {tuple(src.shape)}, the model has "
                              f"{canon[s.canonical_name]}")
         local = out.get(s.local_name)
         if local is None:
@@ -100,9 +101,9 @@ def megatron_to_hf(per_rank_states: Mapping[int, Mapping[str, torch.Tensor]] | S
                 continue    # a replica (dp, or the tied output layer of the last stage)
             local = state.get(s.local_name)
             if local is None:
-                raise ValueError(f"per_rank_states[{rank}]: {s.local_name} is missing")
+                raise FieldError(f"per_rank_states[{rank}]", f"{s.local_name} is missing")
             if tuple(local.shape) != s.local_shape:
-                raise ValueError(f"per_rank_states[{rank}][{s.local_name}]: shape {tuple(local.shape)}, the layout "
+                raise FieldError(f"per_rank_states[{rank}][{s.local_name}]", f"shape {tuple(local.shape)}, the layout "
                                  f"has {s.local_shape}")
             dst = out.get(s.canonical_name)
             if dst is None:
@@ -115,7 +116,7 @@ def megatron_to_hf(per_rank_states: Mapping[int, Mapping[str, torch.Tensor]] | S
         total = torch.Size(shape).numel()
         assert held <= total, (name, held, total)  # layout regions of distinct ranks are disjoint
         if held < total:
-            raise ValueError(f"per_rank_states: {name} is only partly held ({held} of {total} elements); "
+            raise FieldError("per_rank_states", f"{name} is only partly held ({held} of {total} elements); "
                              f"pass every tp/pp/ep/etp rank of {side}")
     return {n: out[n] for n in canon}
 
@@ -129,7 +130,7 @@ def gather_to_hf(local_state: Mapping[str, torch.Tensor], spec: ModelSpec, side:
 
     world = dist.get_world_size(group)
     if world != side.world:
-        raise ValueError(f"group: {world} ranks, {side} has {side.world}")
+        raise FieldError("group", f"{world} ranks, {side} has {side.world}")
     mine = {n: t.detach().cpu() for n, t in local_state.items() if torch.is_tensor(t)}
     states: list | None = [None] * world if dist.get_rank(group) == dst else None
     dist.gather_object(mine, states, dst=dist.get_global_rank(group, dst) if group is not None else dst, group=group)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from services.common.errors import FieldError
+
 
 class _VocabParallelLogp(torch.autograd.Function):
     @staticmethod
@@ -78,7 +80,7 @@ def vocab_parallel_entropy(logits_shard: torch.Tensor, tp_group=None, temperatur
     """Entropy of softmax(full_logits / temperature) per position, float32 [..., T] (differentiable, for an
     entropy bonus); arguments as `vocab_parallel_logp`."""
     if temperature <= 0:
-        raise ValueError(f"temperature: must be positive, got {temperature}")
+        raise FieldError("temperature", f"must be positive, got {temperature}")
     start = dist.get_rank(group=tp_group) * logits_shard.shape[-1]
     scaled = logits_shard.float()
     if temperature != 1.0:
@@ -94,9 +96,9 @@ def vocab_parallel_logp(logits_shard: torch.Tensor, targets: torch.Tensor, tp_gr
     columns at or past it (Megatron's vocab padding) are excluded from the softmax.
     """
     if temperature <= 0:
-        raise ValueError(f"temperature: must be positive, got {temperature}")
+        raise FieldError("temperature", f"must be positive, got {temperature}")
     if logits_shard.shape[:-1] != targets.shape:
-        raise ValueError(f"targets: shape {tuple(targets.shape)} does not match logits {tuple(logits_shard.shape)}")
+        raise FieldError("targets", f"shape {tuple(targets.shape)} does not match logits {tuple(logits_shard.shape)}")
     rank = dist.get_rank(group=tp_group)
     start = rank * logits_shard.shape[-1]
     scaled = logits_shard.float()

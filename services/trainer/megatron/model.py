@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from services.common.errors import FieldError
 from services.trainer.megatron.convert import padded_vocab
 from services.weight_exchange.client.layouts.megatron import MegatronParallel
 from services.weight_exchange.client.layouts.model import ModelSpec
@@ -47,7 +48,7 @@ def transformer_config(spec: ModelSpec, par: MegatronParallel, *, params_dtype: 
         moe_router_pre_softmax=False, moe_router_load_balancing_type="none", moe_grouped_gemm=False,
     )
     if spec.num_layers % par.pp:
-        raise ValueError(f"pp: {spec.num_layers} layers do not split evenly over {par.pp} stages")
+        raise FieldError("pp", f"{spec.num_layers} layers do not split evenly over {par.pp} stages")
     fields.update(overrides)
     return TransformerConfig(**fields)
 
@@ -61,7 +62,7 @@ def build_gpt_model(spec: ModelSpec, par: MegatronParallel | None = None, *, rop
     _without_transformer_engine()
     par = par or current_parallel()
     if par.te_fused_norms or par.grouped_experts:
-        raise ValueError("par: the local layer spec has separate norms and per-expert MLPs")
+        raise FieldError("par", "the local layer spec has separate norms and per-expert MLPs")
     config = transformer_config(spec, par, **config_kwargs)
     moe = spec.num_experts > 0
     layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_experts if moe else None, qk_layernorm=spec.qk_norm)

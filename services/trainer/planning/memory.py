@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from services.common.errors import FieldError
 from services.trainer.planning import params as counts
 from services.trainer.planning.activations import ITEMSIZE, Workload, hf_activation_bytes, megatron_activation_bytes
 from services.trainer.planning.model import PlannedModel
@@ -40,31 +41,31 @@ class PlanConfig:
     def __post_init__(self) -> None:
         framework = self.backend.partition(":")[0]
         if framework not in BACKENDS:
-            raise ValueError(f"backend: must be torch, fsdp2 or megatron:tp=..,pp=..,ep=.., got {self.backend!r}")
+            raise FieldError("backend", f"must be torch, fsdp2 or megatron:tp=..,pp=..,ep=.., got {self.backend!r}")
         if framework != "megatron" and ":" in self.backend:
-            raise ValueError(f"backend: {framework} takes no sizes (use --dp), got {self.backend!r}")
+            raise FieldError("backend", f"{framework} takes no sizes (use --dp), got {self.backend!r}")
         if self.dp < 1:
-            raise ValueError(f"dp: must be >= 1, got {self.dp}")
+            raise FieldError("dp", f"must be >= 1, got {self.dp}")
         if framework == "torch" and self.dp != 1:
-            raise ValueError(f"dp: the torch backend is one rank, got {self.dp} (use fsdp2 or megatron)")
+            raise FieldError("dp", f"the torch backend is one rank, got {self.dp} (use fsdp2 or megatron)")
         if self.micro_batch_tokens < 1:
-            raise ValueError(f"micro_batch_tokens: must be >= 1, got {self.micro_batch_tokens}")
+            raise FieldError("micro_batch_tokens", f"must be >= 1, got {self.micro_batch_tokens}")
         if self.seq_len < 0 or self.seq_len > self.micro_batch_tokens:
-            raise ValueError(f"seq_len: must be in [1, micro_batch_tokens], got {self.seq_len}")
+            raise FieldError("seq_len", f"must be in [1, micro_batch_tokens], got {self.seq_len}")
         if self.dtype not in ITEMSIZE:
-            raise ValueError(f"dtype: must be float32 or bfloat16, got {self.dtype!r}")
+            raise FieldError("dtype", f"must be float32 or bfloat16, got {self.dtype!r}")
         if self.optimizer != "adamw":
-            raise ValueError(f"optimizer: only adamw is planned, got {self.optimizer!r}")
+            raise FieldError("optimizer", f"only adamw is planned, got {self.optimizer!r}")
         if self.lora_rank < 0:
-            raise ValueError(f"lora_rank: must be >= 0, got {self.lora_rank}")
+            raise FieldError("lora_rank", f"must be >= 0, got {self.lora_rank}")
         if self.lora_rank and framework != "torch":
-            raise ValueError(f"lora_rank: LoRA trains on the torch backend only, not {framework}")
+            raise FieldError("lora_rank", f"LoRA trains on the torch backend only, not {framework}")
         if self.device not in DEVICES:
-            raise ValueError(f"device: must be one of {', '.join(DEVICES)}, got {self.device!r}")
+            raise FieldError("device", f"must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.device_memory < 1:
-            raise ValueError(f"device_memory: must be positive, got {self.device_memory}")
+            raise FieldError("device_memory", f"must be positive, got {self.device_memory}")
         if self.weight_transport not in TRANSPORTS:
-            raise ValueError(f"weight_transport: must be shm or tcp, got {self.weight_transport!r}")
+            raise FieldError("weight_transport", f"must be shm or tcp, got {self.weight_transport!r}")
         self.side()  # bad megatron sizes stop here
 
     @property
@@ -76,7 +77,7 @@ class PlanConfig:
             return Side(self.framework, {"dp": self.dp})
         side = parse_side(self.backend, "backend")
         if "dp" in side.sizes and side.sizes["dp"] != self.dp:
-            raise ValueError(f"backend: dp={side.sizes['dp']} contradicts --dp {self.dp}")
+            raise FieldError("backend", f"dp={side.sizes['dp']} contradicts --dp {self.dp}")
         return Side("megatron", {**side.sizes, "dp": self.dp})
 
     def workload(self) -> Workload:

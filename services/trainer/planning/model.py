@@ -9,6 +9,7 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
+from services.common.errors import FieldError
 from services.weight_exchange.client.layouts.model import ModelSpec
 
 REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
@@ -32,13 +33,13 @@ def read_config(model_dir: str | pathlib.Path) -> dict[str, Any]:
     path = pathlib.Path(model_dir)
     path = path / "config.json" if path.is_dir() else path
     if not path.is_file():
-        raise ValueError(f"model: no config.json at {path}")
+        raise FieldError("model", f"no config.json at {path}")
     try:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise ValueError(f"model: {path} is not valid JSON ({exc})") from exc
+        raise FieldError("model", f"{path} is not valid JSON ({exc})") from exc
     if not isinstance(config, dict):
-        raise ValueError(f"model: {path} does not hold a JSON object")
+        raise FieldError("model", f"{path} does not hold a JSON object")
     return config
 
 
@@ -51,20 +52,20 @@ def planned_model(config: Mapping[str, Any]) -> PlannedModel:
         _positive(config, name, required=False)
     heads, kv = int(config["num_attention_heads"]), int(config.get("num_key_value_heads") or config["num_attention_heads"])
     if heads % kv:
-        raise ValueError(f"num_key_value_heads: {kv} does not divide num_attention_heads {heads}")
+        raise FieldError("num_key_value_heads", f"{kv} does not divide num_attention_heads {heads}")
     if not config.get("head_dim") and int(config["hidden_size"]) % heads:
-        raise ValueError(f"head_dim: missing, and hidden_size {config['hidden_size']} is not a multiple of "
+        raise FieldError("head_dim", f"missing, and hidden_size {config['hidden_size']} is not a multiple of "
                          f"num_attention_heads {heads}")
     spec = ModelSpec.from_hf_config(dict(config))
     if spec.num_experts:
         if not spec.moe_intermediate_size:
-            raise ValueError("moe_intermediate_size: needed when num_experts > 0")
+            raise FieldError("moe_intermediate_size", "needed when num_experts > 0")
         top_k = int(config.get("num_experts_per_tok") or 0)
         if not 1 <= top_k <= spec.num_experts:
-            raise ValueError(f"num_experts_per_tok: must be in [1, {spec.num_experts}], got {top_k}")
+            raise FieldError("num_experts_per_tok", f"must be in [1, {spec.num_experts}], got {top_k}")
         return PlannedModel(spec, top_k)
     if not spec.intermediate_size:
-        raise ValueError("intermediate_size: missing or 0")
+        raise FieldError("intermediate_size", "missing or 0")
     return PlannedModel(spec)
 
 
@@ -76,7 +77,7 @@ def _positive(config: Mapping[str, Any], name: str, *, required: bool) -> None:
     value = config.get(name)
     if value is None:
         if required:
-            raise ValueError(f"{name}: missing from config.json")
+            raise FieldError(name, "missing from config.json")
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (required and value == 0):
-        raise ValueError(f"{name}: must be a {'positive' if required else 'non-negative'} integer, got {value!r}")
+        raise FieldError(name, f"must be a {'positive' if required else 'non-negative'} integer, got {value!r}")

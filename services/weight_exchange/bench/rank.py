@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from services.common.errors import FieldError
 from services.common.logging import configure_logging
 from services.common.rpc import LARGE_MAX_RECEIVE, start_server
 from services.weight_exchange.client import ReceiverAgent, SenderAgent
@@ -107,7 +108,7 @@ class Rank:
             return self.gather(cmd["transport"], cmd["endpoints"])
         if op == "naive_pull":
             return self.naive_pull(cmd["transport"], cmd["endpoint"])
-        raise ValueError(f"cmd: unknown {op!r}")
+        raise FieldError("cmd", f"unknown {op!r}")
 
     def gather(self, transport: str, endpoints: dict[str, str]) -> dict[str, Any]:
         """Naive step 1: assemble the full HF model on trainer rank 0 (own shards by local copy)."""

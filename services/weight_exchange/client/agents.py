@@ -13,6 +13,7 @@ import torch
 from services.common.auth import Tls
 from services.common.contracts import weight_exchange_pb2 as wx_pb2
 from services.common.contracts import weight_exchange_pb2_grpc as wx_grpc
+from services.common.errors import FieldError
 from services.common.logging import get_logger
 from services.common.rpc import Servicer, channel, invalid_argument
 from services.common.runtime import Backoff, sleep_or_stop
@@ -74,7 +75,7 @@ class _Registrant:
         silent for its `rank_ttl`). gRPC errors are logged and retried with back-off; a layout the service
         rejects (INVALID_ARGUMENT) raises."""
         if interval <= 0:
-            raise ValueError(f"interval: must be positive, got {interval}")
+            raise FieldError("interval", f"must be positive, got {interval}")
         backoff, failures = Backoff(initial=min(0.2, interval), cap=interval), 0
         while not stop.is_set():
             try:
@@ -290,7 +291,7 @@ class ReceiverAgent(_Registrant):
                     try:
                         await asyncio.to_thread(self._load_weights, sorted(targets.items()))
                     except Exception as exc:  # noqa: BLE001 - the engine's failure fails this update
-                        raise ValueError(f"load_weights: {type(exc).__name__}: {exc}") from exc
+                        raise FieldError("load_weights", f"{type(exc).__name__}: {exc}") from exc
             except (ValueError, TransportError) as exc:
                 await self._resume(old)
                 log.warning("apply_failed", rank_id=self.rank_id, version=request.version, error=str(exc))
@@ -314,7 +315,7 @@ class ReceiverAgent(_Registrant):
         out = {}
         for name in sorted({t.dst_local for t in transfers}):
             if name not in staging:
-                raise ValueError(f"transfers.dst_local_name: {name!r} is not a checkpoint tensor of {self.rank_id} "
+                raise FieldError("transfers.dst_local_name", f"{name!r} is not a checkpoint tensor of {self.rank_id} "
                                  f"(post-load-transformed layout: only staging tensors are written)")
             out[name] = torch.empty(staging[name].canonical_shape, dtype=torch_dtype(staging[name].dtype))
         return out

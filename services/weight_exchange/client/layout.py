@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
 from services.common.contracts import data_pb2
+from services.common.errors import FieldError
 from services.weight_exchange.client.regions import Region
 
 ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "int16": 2,
@@ -55,21 +56,21 @@ class Shard:
     def check(self, where: str) -> None:
         """Raise ValueError naming the field when this shard is inconsistent."""
         if not self.canonical_name:
-            raise ValueError(f"{where}.canonical_name: required")
+            raise FieldError(f"{where}.canonical_name", "required")
         if not self.local_name:
-            raise ValueError(f"{where}.local_name: required")
+            raise FieldError(f"{where}.local_name", "required")
         if self.dtype not in ITEMSIZE:
-            raise ValueError(f"{where}.dtype: unknown {self.dtype!r} (known: {', '.join(ITEMSIZE)})")
+            raise FieldError(f"{where}.dtype", f"unknown {self.dtype!r} (known: {', '.join(ITEMSIZE)})")
         if not self.canonical_region.within(self.canonical_shape):
-            raise ValueError(f"{where}.canonical_region: {self.canonical_region} is not inside "
+            raise FieldError(f"{where}.canonical_region", f"{self.canonical_region} is not inside "
                              f"canonical_shape {list(self.canonical_shape)} of {self.canonical_name}")
         if not self.local_region.within(self.local_shape):
-            raise ValueError(f"{where}.local_region: {self.local_region} is not inside local_shape "
+            raise FieldError(f"{where}.local_region", f"{self.local_region} is not inside local_shape "
                              f"{list(self.local_shape)} of {self.local_name}")
         lead = self.local_region.ndim - self.canonical_region.ndim
         if lead < 0 or any(s != 1 for s in self.local_region.sizes[:lead]) \
                 or self.local_region.sizes[lead:] != self.canonical_region.sizes:
-            raise ValueError(f"{where}.local_region: sizes {list(self.local_region.sizes)} do not match "
+            raise FieldError(f"{where}.local_region", f"sizes {list(self.local_region.sizes)} do not match "
                              f"canonical_region sizes {list(self.canonical_region.sizes)} of {self.canonical_name}")
 
 
@@ -118,28 +119,28 @@ class RankLayout:
     def validate(self, where: str = "layout") -> None:
         """Raise ValueError naming the field (e.g. `layout.shards[3].local_region`) on the first problem."""
         if not self.rank_id:
-            raise ValueError(f"{where}.rank_id: required")
+            raise FieldError(f"{where}.rank_id", "required")
         if self.role not in (SENDER, RECEIVER):
-            raise ValueError(f"{where}.role: must be sender or receiver, got {self.role!r}")
+            raise FieldError(f"{where}.role", f"must be sender or receiver, got {self.role!r}")
         if not self.shards:
-            raise ValueError(f"{where}.shards: a rank must hold at least one tensor")
+            raise FieldError(f"{where}.shards", "a rank must hold at least one tensor")
         if self.role == RECEIVER and not self.agent_address:
-            raise ValueError(f"{where}.agent_address: required for a receiver")
+            raise FieldError(f"{where}.agent_address", "required for a receiver")
         if self.role == SENDER and not self.endpoints:
-            raise ValueError(f"{where}.endpoints: a sender needs at least one transport endpoint")
+            raise FieldError(f"{where}.endpoints", "a sender needs at least one transport endpoint")
         if self.version < -1:
-            raise ValueError(f"{where}.version: must be >= -1 (-1: not tracked), got {self.version}")
+            raise FieldError(f"{where}.version", f"must be >= -1 (-1: not tracked), got {self.version}")
         locals_: dict[str, tuple[tuple[int, ...], str]] = {}
         canon: dict[str, tuple[tuple[int, ...], str]] = {}
         for i, shard in enumerate(self.shards):
             shard.check(f"{where}.shards[{i}]")
             seen = locals_.setdefault(shard.local_name, (shard.local_shape, shard.dtype))
             if seen != (shard.local_shape, shard.dtype):
-                raise ValueError(f"{where}.shards[{i}].local_shape: {shard.local_name} is {seen} in an earlier "
+                raise FieldError(f"{where}.shards[{i}].local_shape", f"{shard.local_name} is {seen} in an earlier "
                                  f"shard, {(shard.local_shape, shard.dtype)} here")
             got = canon.setdefault(shard.canonical_name, (shard.canonical_shape, shard.dtype))
             if got[0] != shard.canonical_shape:
-                raise ValueError(f"{where}.shards[{i}].canonical_shape: {shard.canonical_name} is {list(got[0])} "
+                raise FieldError(f"{where}.shards[{i}].canonical_shape", f"{shard.canonical_name} is {list(got[0])} "
                                  f"in an earlier shard, {list(shard.canonical_shape)} here")
         if self.role == RECEIVER:
             _check_disjoint(self.shards, where)
@@ -177,7 +178,7 @@ def _check_disjoint(shards: Iterable[Shard], where: str) -> None:
                 if ra.ndim and rb.offsets[0] >= ra.offsets[0] + ra.sizes[0]:
                     break
                 if ra.intersect(rb) is not None:
-                    raise ValueError(f"{where}.shards[{items[b][0]}].local_region: {rb} of {items[b][1].local_name} "
+                    raise FieldError(f"{where}.shards[{items[b][0]}].local_region", f"{rb} of {items[b][1].local_name} "
                                      f"overlaps shards[{items[a][0]}] {ra}: a receiver byte must have one source")
 
 

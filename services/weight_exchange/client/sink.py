@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
+from services.common.errors import FieldError
 from services.weight_exchange.client import transports
 from services.weight_exchange.client.layout import ITEMSIZE
 from services.weight_exchange.client.regions import Region
@@ -57,13 +58,13 @@ def build_links(rank_id: str, tensors: Mapping[str, torch.Tensor], transfers: Se
         where = f"transfers[{i}]"
         dst = tensors.get(t.dst_local)
         if dst is None:
-            raise ValueError(f"{where}.dst_local_name: {rank_id} has no tensor {t.dst_local!r}")
+            raise FieldError(f"{where}.dst_local_name", f"{rank_id} has no tensor {t.dst_local!r}")
         if not t.dst_region.within(dst.shape):
-            raise ValueError(f"{where}.dst_region: {t.dst_region} is outside {t.dst_local} {list(dst.shape)}")
+            raise FieldError(f"{where}.dst_region", f"{t.dst_region} is outside {t.dst_local} {list(dst.shape)}")
         if t.dtype not in ITEMSIZE:
-            raise ValueError(f"{where}.dtype: unknown {t.dtype!r}")
+            raise FieldError(f"{where}.dtype", f"unknown {t.dtype!r}")
         if t.dst_region.numel != t.src_region.numel or t.num_bytes != t.dst_region.numel * ITEMSIZE[t.dtype]:
-            raise ValueError(f"{where}.num_bytes: {t.num_bytes} does not match regions {t.src_region} -> "
+            raise FieldError(f"{where}.num_bytes", f"{t.num_bytes} does not match regions {t.src_region} -> "
                              f"{t.dst_region} of {t.dtype}")
         if t.src not in links:
             links[t.src] = (Link(t.src, rank_id, [], deadline, verify), requests[t.src])
@@ -84,7 +85,7 @@ def pull_all(rank_id: str, tensors: Mapping[str, torch.Tensor], transfers: Seque
     links = build_links(rank_id, tensors, transfers, deadline, verify)
     for src in links:
         if src not in endpoints:
-            raise ValueError(f"sender_endpoints: no {transport} endpoint for sender {src}")
+            raise FieldError("sender_endpoints", f"no {transport} endpoint for sender {src}")
     crcs: dict[str, list[int]] = {}
     with ThreadPoolExecutor(max_workers=max(1, min(len(links), 16))) as pool:
         auth = {src: {"ticket": (tickets or {}).get(src, ""), "sync_id": sync_id} for src in links}

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from services.common.errors import FieldError
 from services.common.logging import get_logger
 from services.weight_exchange.client import tickets, transports
 from services.weight_exchange.client.regions import Region
@@ -44,7 +45,7 @@ class SenderServer:
         if max_connections < 1 or max_unverified < 1:
             raise ValueError(f"max_connections, max_unverified: must be >= 1, got {max_connections}, {max_unverified}")
         if handshake_timeout <= 0:
-            raise ValueError(f"handshake_timeout: must be > 0, got {handshake_timeout}")
+            raise FieldError("handshake_timeout", f"must be > 0, got {handshake_timeout}")
         self.rank_id = rank_id
         self.key = key                       # None: any pull is served (a bare data server, e.g. in benchmarks)
         self.tensors = {k: v.detach() for k, v in tensors.items()}
@@ -76,7 +77,7 @@ class SenderServer:
     def end_update(self, version: int) -> None:
         """The parameters now hold `version` (thread-safe)."""
         if version < 0:
-            raise ValueError(f"version: must be >= 0, got {version}")
+            raise FieldError("version", f"must be >= 0, got {version}")
         with self._state:
             self._seq += 1 if self._seq % 2 else 2
             self.version = version
@@ -87,7 +88,7 @@ class SenderServer:
             if self._seq % 2:
                 raise ValueError(f"parameters are being updated (from version {self.version}); retry")
             if self.version is not None and version != self.version:
-                raise ValueError(f"version: holds {self.version}, not the requested {version}")
+                raise FieldError("version", f"holds {self.version}, not the requested {version}")
             return self._seq
 
     def end_read(self, seq: int, version: int) -> str:
@@ -206,10 +207,10 @@ class SenderServer:
         version = int(request.get("version", 0))
         try:
             if not isinstance(request["items"], list):
-                raise ValueError("items: missing or not a list")
+                raise FieldError("items", "missing or not a list")
             views = self.resolve(request["items"])
             if request["transport"] not in self.transport_names:
-                raise ValueError(f"transport: {request['transport']!r} is not offered by {self.rank_id} "
+                raise FieldError("transport", f"{request['transport']!r} is not offered by {self.rank_id} "
                                  f"(offers {', '.join(self.transport_names)})")
             seq = self.begin_read(version)
         except (ValueError, KeyError) as exc:

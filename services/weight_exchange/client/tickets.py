@@ -15,6 +15,7 @@ import hmac
 import secrets
 
 from services.common.contracts import weight_exchange_pb2 as wx_pb2
+from services.common.errors import FieldError
 
 
 def new_key() -> bytes:
@@ -30,9 +31,9 @@ def parse_key(text: str) -> bytes:
     try:
         key = bytes.fromhex(text)
     except ValueError as exc:
-        raise ValueError("rank_key: not hex") from exc
+        raise FieldError("rank_key", "not hex") from exc
     if len(key) < 16:
-        raise ValueError("rank_key: shorter than 16 bytes")
+        raise FieldError("rank_key", "shorter than 16 bytes")
     return key
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import msgpack
 import torch
 
+from services.common.errors import FieldError
 from services.weight_exchange.client.regions import Region
 
 _LEN = struct.Struct("!I")
@@ -93,5 +94,5 @@ def crc(t: torch.Tensor) -> int:
 def torch_dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype: unknown {name!r}")
+        raise FieldError("dtype", f"unknown {name!r}")
     return dtype

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from services.common.errors import FieldError
 from services.weight_exchange.client.layout import Shard
 from services.weight_exchange.client.regions import Region
 
@@ -21,9 +22,9 @@ class Segment(NamedTuple):
 def even(total: int, parts: int, rank: int, what: str) -> tuple[int, int]:
     """(start, size) of part `rank` of `total` split evenly; ValueError naming `what` when it does not divide."""
     if parts <= 0 or not 0 <= rank < parts:
-        raise ValueError(f"{what}: rank {rank} of {parts} is invalid")
+        raise FieldError(what, f"rank {rank} of {parts} is invalid")
     if total % parts:
-        raise ValueError(f"{what}: {total} is not divisible by {parts}")
+        raise FieldError(what, f"{total} is not divisible by {parts}")
     size = total // parts
     return rank * size, size
 

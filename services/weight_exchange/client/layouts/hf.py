@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 import torch
 
+from services.common.errors import FieldError
 from services.weight_exchange.client.layout import Shard, dtype_name, full_shard
 from services.weight_exchange.client.regions import Region
 
@@ -64,23 +65,23 @@ def fsdp2_shards(params: Mapping[str, torch.Tensor], dp_rank: int, dp_size: int,
     `params` values are DTensors (their global shape is read) or local tensors with `canonical` shapes given.
     """
     if not 0 <= dp_rank < dp_size:
-        raise ValueError(f"dp_rank: {dp_rank} is outside [0, {dp_size})")
+        raise FieldError("dp_rank", f"{dp_rank} is outside [0, {dp_size})")
     shards: list[Shard] = []
     for name, t in params.items():
         local = t.to_local() if hasattr(t, "to_local") else t
         shape = tuple(t.shape) if hasattr(t, "to_local") else tuple((canonical or {}).get(name, ()))
         if not shape:
-            raise ValueError(f"canonical: no global shape for {name} (pass DTensors or a canonical shape map)")
+            raise FieldError("canonical", f"no global shape for {name} (pass DTensors or a canonical shape map)")
         rows = shape[0] if shape else 1
         chunk = -(-rows // dp_size)
         start, stop = min(dp_rank * chunk, rows), min((dp_rank + 1) * chunk, rows)
         if tuple(local.shape) != (stop - start, *shape[1:]):
-            raise ValueError(f"params[{name}]: local shape {tuple(local.shape)} is not rows {start}:{stop} of {shape}")
+            raise FieldError(f"params[{name}]", f"local shape {tuple(local.shape)} is not rows {start}:{stop} of {shape}")
         if stop == start:
             continue
         for s in hf_shards(name, shape, dtype_name(local.dtype)):
             if s.local_region.ndim != s.canonical_region.ndim:
-                raise ValueError(f"params[{name}]: FSDP2 shards of fused experts are not supported")
+                raise FieldError(f"params[{name}]", "FSDP2 shards of fused experts are not supported")
             box = Region((start,) + (0,) * (len(shape) - 1), (stop - start, *shape[1:]))
             shards.append(Shard(s.canonical_name, s.canonical_shape, s.dtype, box, name, tuple(local.shape),
                                 Region((0,) * len(shape), box.sizes)))

@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from services.common.errors import FieldError
 from services.weight_exchange.client.layout import Shard
 from services.weight_exchange.client.layouts.common import (
     col_shard,
@@ -89,7 +90,7 @@ def kv_heads(spec: ModelSpec, tp: int, rank: int) -> tuple[int, int]:
     nkv = spec.num_kv_heads
     if tp >= nkv:
         if tp % nkv:
-            raise ValueError(f"tp: {tp} is larger than num_key_value_heads {nkv} and not a multiple of it")
+            raise FieldError("tp", f"{tp} is larger than num_key_value_heads {nkv} and not a multiple of it")
         return rank // (tp // nkv), 1
     return even(nkv, tp, rank, "num_key_value_heads over tp")
 
@@ -97,13 +98,13 @@ def kv_heads(spec: ModelSpec, tp: int, rank: int) -> tuple[int, int]:
 def expert_ids(num_experts: int, ep: int, ep_rank: int, placement: str = "linear") -> tuple[int, ...]:
     """vLLM's expert map: E // ep experts per rank, the first E % ep ranks one more; linear or round-robin ids."""
     if placement not in PLACEMENTS:
-        raise ValueError(f"expert_placement: unknown {placement!r} (known: {', '.join(PLACEMENTS)})")
+        raise FieldError("expert_placement", f"unknown {placement!r} (known: {', '.join(PLACEMENTS)})")
     if not 0 <= ep_rank < ep:
-        raise ValueError(f"ep_rank: {ep_rank} is outside [0, {ep})")
+        raise FieldError("ep_rank", f"{ep_rank} is outside [0, {ep})")
     base, extra = divmod(num_experts, ep)
     count = base + (1 if ep_rank < extra else 0)
     if count == 0:
-        raise ValueError(f"ep: {ep} ranks for {num_experts} experts leave rank {ep_rank} without one")
+        raise FieldError("ep", f"{ep} ranks for {num_experts} experts leave rank {ep_rank} without one")
     if placement == "round_robin":
         return tuple(range(ep_rank, num_experts, ep))
     start = ep_rank * base + min(ep_rank, extra)
@@ -114,15 +115,15 @@ def moe_partition(spec: ModelSpec, par: InferenceParallel) -> MoePartition:
     """The engine's rule for splitting the experts (see the module docstring); ValueError naming the field."""
     if par.engine in VLLM_LIKE:
         if par.eplb or par.redundant_experts:
-            raise ValueError("eplb: vLLM's EPLB (enable_eplb / num_redundant_experts) is not supported: physical "
+            raise FieldError("eplb", "vLLM's EPLB (enable_eplb / num_redundant_experts) is not supported: physical "
                              "experts are replicated and moved between ranks at run time, so no fixed layout holds")
         if par.dp_attention != 1:
-            raise ValueError("dp_attention: is SGLang's; vLLM's in-engine data parallelism is edp")
+            raise FieldError("dp_attention", "is SGLang's; vLLM's in-engine data parallelism is edp")
         devices, moe_rank = par.tp * par.edp, par.edp_rank * par.tp + par.tp_rank
         if par.ep == 1 and par.expert_placement != "linear":
-            raise ValueError("expert_placement: applies only with expert parallelism (ep = tp x edp)")
+            raise FieldError("expert_placement", "applies only with expert parallelism (ep = tp x edp)")
         if par.ep not in (1, devices):
-            raise ValueError(f"ep: vLLM's expert parallelism spans every device of the engine (ep = tp x edp = "
+            raise FieldError("ep", f"vLLM's expert parallelism spans every device of the engine (ep = tp x edp = "
                              f"{par.tp} x {par.edp} = {devices}, MoE tp = 1) or is off (ep = 1); ep={par.ep} "
                              f"inside tp={par.tp} is SGLang's layout (use sglang)")
         if par.ep == 1 or devices == 1:
@@ -132,16 +133,16 @@ def moe_partition(spec: ModelSpec, par: InferenceParallel) -> MoePartition:
         return MoePartition(1, 0, experts)
     # SGLang
     if par.eplb or par.redundant_experts:
-        raise ValueError("eplb: SGLang's EPLB (--enable-eplb / --ep-num-redundant-experts) is not supported: "
+        raise FieldError("eplb", "SGLang's EPLB (--enable-eplb / --ep-num-redundant-experts) is not supported: "
                          "physical experts are replicated and moved between ranks at run time")
     if par.edp != 1 or par.expert_placement != "linear":
         raise ValueError("edp / expert_placement: are vLLM's options; SGLang puts EP inside the TP group")
     if par.dp_attention != 1:
-        raise ValueError(f"dp_attention: SGLang's DP attention (--enable-dp-attention, dp={par.dp_attention}: "
+        raise FieldError("dp_attention", f"SGLang's DP attention (--enable-dp-attention, dp={par.dp_attention}: "
                          f"attention over tp / dp ranks, replicated embedding) is not supported; use dp (independent "
                          f"replicas) instead")
     if par.tp % par.ep:
-        raise ValueError(f"ep: {par.ep} does not divide tp {par.tp}")
+        raise FieldError("ep", f"{par.ep} does not divide tp {par.tp}")
     moe_tp = par.tp // par.ep
     ep_rank = par.tp_rank // moe_tp
     if par.expert_ids is not None:
@@ -157,18 +158,18 @@ def stage_range(spec: ModelSpec, par: InferenceParallel) -> range:
         return range(spec.num_layers)
     start, stop = par.layers
     if not 0 <= start < stop <= spec.num_layers:
-        raise ValueError(f"layers: [{start}, {stop}) is not a non-empty range inside [0, {spec.num_layers})")
+        raise FieldError("layers", f"[{start}, {stop}) is not a non-empty range inside [0, {spec.num_layers})")
     return range(start, stop)
 
 
 def inference_shards(spec: ModelSpec, par: InferenceParallel, dtype: str | None = None) -> list[Shard]:
     """Every shard one vLLM / vLLM-Ascend / SGLang rank holds."""
     if par.engine not in ENGINES:
-        raise ValueError(f"engine: unknown {par.engine!r} (known: {', '.join(ENGINES)})")
+        raise FieldError("engine", f"unknown {par.engine!r} (known: {', '.join(ENGINES)})")
     if par.vocab_padding < 1:
-        raise ValueError(f"vocab_padding: must be >= 1 (1: unpadded), got {par.vocab_padding}")
+        raise FieldError("vocab_padding", f"must be >= 1 (1: unpadded), got {par.vocab_padding}")
     if not 0 <= par.edp_rank < par.edp:
-        raise ValueError(f"edp_rank: {par.edp_rank} is outside [0, {par.edp})")
+        raise FieldError("edp_rank", f"{par.edp_rank} is outside [0, {par.edp})")
     dtype = dtype or spec.dtype
     canon = spec.canonical()
     h, tp, r = spec.hidden_size, par.tp, par.tp_rank
@@ -225,7 +226,7 @@ def _layer(spec: ModelSpec, par: InferenceParallel, moe: MoePartition | None, la
     ne = len(moe.experts)
     for i, e in enumerate(moe.experts):
         if not 0 <= e < spec.num_experts:
-            raise ValueError(f"expert_ids: {e} is outside [0, {spec.num_experts})")
+            raise FieldError("expert_ids", f"{e} is outside [0, {spec.num_experts})")
         c = p + f"mlp.experts.{e}."
         rows = stack([(c + "gate_proj.weight", i0, ni), (c + "up_proj.weight", i0, ni)])
         out += row_shards(w13, (ne, 2 * ni, h), dtype, rows, canon, lead=(i,))

@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from services.common.errors import FieldError
 from services.weight_exchange.client.layout import POST_LOAD_TRANSFORMED, RECEIVER, RankLayout, Shard
 from services.weight_exchange.client.layouts.inference import (
     ENGINES,
@@ -88,7 +89,7 @@ def live_layout(rank_id: str, params: Mapping[str, Any] | Iterable[tuple[str, An
     parameters). Raises `LayoutMismatch` (a ValueError) listing every difference from the formula layout.
     """
     if engine not in ENGINES:
-        raise ValueError(f"engine: unknown {engine!r} (known: {', '.join(ENGINES)})")
+        raise FieldError("engine", f"unknown {engine!r} (known: {', '.join(ENGINES)})")
     live = {name: _shape_dtype(v) for name, v in (params.items() if isinstance(params, Mapping) else params)}
     if expert_map is not None:
         if expert_ids is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from services.common.errors import FieldError
 from services.weight_exchange.client.layout import Shard
 from services.weight_exchange.client.layouts.common import (
     col_shard,
@@ -66,7 +67,7 @@ def pipeline_stages(num_layers: int, pp: int, first: int | None = None, last: in
     for what, n in (("first", first), ("last", last)):
         if n is not None:
             if n < 0:
-                raise ValueError(f"{what}: must be >= 0, got {n}")
+                raise FieldError(what, f"must be >= 0, got {n}")
             rest, stages = rest - n, stages - 1
     if stages < 0 or rest < 0 or (stages == 0 and rest) or (stages and rest % stages):
         raise ValueError(f"first / last: {num_layers} layers with first={first}, last={last} leave {rest} layers "
@@ -83,10 +84,10 @@ def pipeline_stages(num_layers: int, pp: int, first: int | None = None, last: in
 def stage_layers(spec: ModelSpec, par: MegatronParallel) -> range:
     """Global layer numbers held by this pipeline stage."""
     if not 0 <= par.pp_rank < par.pp:
-        raise ValueError(f"pp_rank: {par.pp_rank} is outside [0, {par.pp})")
+        raise FieldError("pp_rank", f"{par.pp_rank} is outside [0, {par.pp})")
     if par.layers_per_stage is not None:
         if len(par.layers_per_stage) != par.pp or sum(par.layers_per_stage) != spec.num_layers:
-            raise ValueError(f"layers_per_stage: {par.layers_per_stage} must have {par.pp} entries summing to "
+            raise FieldError("layers_per_stage", f"{par.layers_per_stage} must have {par.pp} entries summing to "
                              f"{spec.num_layers}")
         start = sum(par.layers_per_stage[:par.pp_rank])
         return range(start, start + par.layers_per_stage[par.pp_rank])
@@ -98,7 +99,7 @@ def qkv_rows(spec: ModelSpec, layer: int, suffix: str = "weight") -> list[tuple[
     """The full (unsharded) `linear_qkv` rows: per query group [q heads; k; v]."""
     hd, ng = spec.head_dim, spec.num_kv_heads
     if spec.num_heads % ng:
-        raise ValueError(f"num_attention_heads: {spec.num_heads} is not a multiple of num_key_value_heads {ng}")
+        raise FieldError("num_attention_heads", f"{spec.num_heads} is not a multiple of num_key_value_heads {ng}")
     qpg = spec.num_heads // ng
     p = f"model.layers.{layer}.self_attn."
     out = []
@@ -117,11 +118,11 @@ def megatron_shards(spec: ModelSpec, par: MegatronParallel, dtype: str | None = 
     if spec.num_kv_heads >= tp:
         even(spec.num_kv_heads, tp, r, "num_key_value_heads over tp")
     elif tp % spec.num_kv_heads:
-        raise ValueError(f"tp: {tp} is larger than num_key_value_heads {spec.num_kv_heads} and not a multiple of it")
+        raise FieldError("tp", f"{tp} is larger than num_key_value_heads {spec.num_kv_heads} and not a multiple of it")
     layers = stage_layers(spec, par)
     shards: list[Shard] = []
     if par.vocab_divisor < 1:
-        raise ValueError(f"vocab_divisor: must be >= 1, got {par.vocab_divisor}")
+        raise FieldError("vocab_divisor", f"must be >= 1, got {par.vocab_divisor}")
     padded = spec.vocab_size if par.vocab_unpadded else pad_to(spec.vocab_size, par.vocab_divisor * tp)
     if par.pp_rank == 0:
         shards += vocab_shard("embedding.word_embeddings.weight", "model.embed_tokens.weight", spec.vocab_size, h,

@@ -12,6 +12,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from services.common.errors import FieldError
+
 ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
          "Qwen3MoeForCausalLM": "qwen3_moe", "MistralForCausalLM": "llama"}
 MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
@@ -111,7 +113,7 @@ class ModelSpec:
         if arch is None:
             archs = [ARCHS[a] for a in config.get("architectures", []) if a in ARCHS]
             if not archs:
-                raise ValueError(f"model: unsupported model_type {config.get('model_type')!r} "
+                raise FieldError("model", f"unsupported model_type {config.get('model_type')!r} "
                                  f"(supported: {', '.join(sorted(MODEL_TYPES))})")
             arch = archs[0]
         heads = int(config["num_attention_heads"])
@@ -186,4 +188,4 @@ def model_spec(name_or_path: str, dtype: str | None = None) -> ModelSpec:
         return ModelSpec.from_hf_config(BUILTIN[name_or_path], dtype)
     if os.path.exists(name_or_path):
         return ModelSpec.from_hf_config(name_or_path, dtype)
-    raise ValueError(f"model: {name_or_path!r} is neither a built-in ({', '.join(BUILTIN)}) nor a config path")
+    raise FieldError("model", f"{name_or_path!r} is neither a built-in ({', '.join(BUILTIN)}) nor a config path")

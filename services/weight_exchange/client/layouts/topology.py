@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from services.common.errors import FieldError
 from services.weight_exchange.client.layout import RECEIVER, SENDER, RankLayout, Shard
 from services.weight_exchange.client.layouts.hf import fsdp2_shards, hf_shards
 from services.weight_exchange.client.layouts.inference import InferenceParallel, inference_shards
@@ -53,21 +54,21 @@ def parse_side(text: str, field: str = "side") -> Side:
     """`megatron:tp=4,pp=2,ep=8` -> Side; ValueError naming `field` on bad input."""
     framework, _, rest = text.partition(":")
     if framework not in FRAMEWORKS:
-        raise ValueError(f"{field}: unknown framework {framework!r} (known: {', '.join(FRAMEWORKS)})")
+        raise FieldError(field, f"unknown framework {framework!r} (known: {', '.join(FRAMEWORKS)})")
     sizes: dict[str, int] = {}
     for part in filter(None, rest.split(",")):
         key, _, value = part.partition("=")
         if key not in FRAMEWORKS[framework]:
-            raise ValueError(f"{field}: {framework} takes {', '.join(FRAMEWORKS[framework])}, not {key!r}")
+            raise FieldError(field, f"{framework} takes {', '.join(FRAMEWORKS[framework])}, not {key!r}")
         if not value.isdigit() or int(value) < 1:
-            raise ValueError(f"{field}: {key} must be a positive integer, got {value!r}")
+            raise FieldError(field, f"{key} must be a positive integer, got {value!r}")
         sizes[key] = int(value)
     if "eplb" in sizes:
-        raise ValueError(f"{field}: eplb: vLLM's EPLB (redundant experts moved between ranks at run time) is not "
-                         f"supported")
+        raise FieldError(field, "eplb: vLLM's EPLB (redundant experts moved between ranks at run time) is not "
+                         "supported")
     if sizes.get("dpa", 1) > 1:
-        raise ValueError(f"{field}: dpa: SGLang's DP attention (attention over tp / dp ranks, replicated embedding) "
-                         f"is not supported; use dp (independent replicas)")
+        raise FieldError(field, "dpa: SGLang's DP attention (attention over tp / dp ranks, replicated embedding) "
+                         "is not supported; use dp (independent replicas)")
     return Side(framework, sizes)
 
 
@@ -78,7 +79,7 @@ def megatron_parallel(side: Side, rank: int, num_layers: int = 0) -> MegatronPar
         stages = pipeline_stages(num_layers, pp, side.sizes.get("first"), side.sizes.get("last"))
     etp = side.get("etp") if "etp" in side.sizes else tp   # Megatron's default: expert TP = TP
     if (tp * dp) % (ep * etp):
-        raise ValueError(f"side: ep {ep} x etp {etp} must divide tp {tp} x dp {dp} (Megatron's expert groups; "
+        raise FieldError("side", f"ep {ep} x etp {etp} must divide tp {tp} x dp {dp} (Megatron's expert groups; "
                          f"set etp)")
     tp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
     k = tp_rank + tp * dp_rank
@@ -99,7 +100,7 @@ def rank_shards(spec: ModelSpec, side: Side, rank: int, dtype: str | None = None
     """The shards of global rank `rank` of a side, and its parallel coordinates."""
     dtype = dtype or spec.dtype
     if not 0 <= rank < side.world:
-        raise ValueError(f"rank: {rank} is outside [0, {side.world}) for {side}")
+        raise FieldError("rank", f"{rank} is outside [0, {side.world}) for {side}")
     fw = side.framework
     if fw in ("hf", "embedded"):
         shards = [s for name, shape in spec.canonical().items() for s in hf_shards(name, shape, dtype)]
@@ -122,9 +123,9 @@ def rank_shards(spec: ModelSpec, side: Side, rank: int, dtype: str | None = None
 def side_layouts(spec: ModelSpec, side: Side, role: str, prefix: str, dtype: str | None = None) -> list[RankLayout]:
     """Layouts of every rank of a side (rank ids `<prefix>-<rank>`), without endpoints or addresses."""
     if role == SENDER and side.framework not in SENDING:
-        raise ValueError(f"src: {side.framework} cannot send (senders: {', '.join(SENDING)})")
+        raise FieldError("src", f"{side.framework} cannot send (senders: {', '.join(SENDING)})")
     if role == RECEIVER and side.framework not in RECEIVING:
-        raise ValueError(f"dst: {side.framework} cannot receive (receivers: {', '.join(RECEIVING)})")
+        raise FieldError("dst", f"{side.framework} cannot receive (receivers: {', '.join(RECEIVING)})")
     out = []
     cache: dict[tuple, list[Shard]] = {}   # ranks that differ only in dp_rank share one shard list
     for rank in range(side.world):

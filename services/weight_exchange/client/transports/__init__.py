@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 
+from services.common.errors import FieldError
 from services.weight_exchange.client.transports.base import Link, Transport
 
 KNOWN = {
@@ -23,7 +24,7 @@ _cache: dict[str, Transport] = {}
 def get(name: str) -> Transport:
     """The transport called `name`; ValueError naming the field when unknown."""
     if name not in KNOWN:
-        raise ValueError(f"transport: unknown {name!r} (known: {', '.join(KNOWN)})")
+        raise FieldError("transport", f"unknown {name!r} (known: {', '.join(KNOWN)})")
     if name not in _cache:
         module, cls = KNOWN[name].split(":")
         _cache[name] = getattr(importlib.import_module(module), cls)()

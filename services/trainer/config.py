@@ -21,6 +21,31 @@ _IGNORED_OFFLINE = ("dynamic_sampling",)
 
 
 @dataclasses.dataclass(kw_only=True)
+class MegatronConfig:
+    """``backend: megatron``: megatron-core's parallel sizes; data parallel is what ``ranks`` leaves over."""
+    tp: int = 1   # tensor-parallel ranks
+    pp: int = 1   # pipeline stages (pp > 1: not built yet)
+    ep: int = 1   # expert-parallel ranks of a MoE model (ep > 1: not built yet)
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "ep"):
+            if getattr(self, name) < 1:
+                raise FieldError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.pp > 1:
+            raise FieldError("pp", "pipeline stages need megatron-core's pipeline schedules, which meshrl does not "
+                             "drive yet (and which allocate on CUDA); use pp: 1")
+        if self.ep > 1:
+            raise FieldError("ep", "expert parallelism is not built into the megatron backend yet; use ep: 1")
+
+    def dp(self, ranks: int) -> int:
+        return ranks // (self.tp * self.pp)
+
+    def side(self, ranks: int) -> str:
+        """The weight exchange's name of this layout (``megatron:tp=2,dp=2``)."""
+        return f"megatron:tp={self.tp},pp={self.pp},ep={self.ep},dp={self.dp(ranks)}"
+
+
+@dataclasses.dataclass(kw_only=True)
 class TrainerConfig(ServiceConfig):
     grpc_address: str = "127.0.0.1:50054"
     rank_id: str = "trainer-0"
@@ -42,10 +67,11 @@ class TrainerConfig(ServiceConfig):
     dtype: str = "float32"                              # bfloat16: forward and backward under bf16 autocast
     torch_threads: int = 1                              # OpenMP threads of the thread that builds, steps and saves the model; 0: torch's default
     device: str = "cpu"                                 # cpu | cuda | npu, or cuda:N / npu:N: model, batches, optimizer
-    backend: str = "torch"                              # torch (one process) | fsdp2 (sharded over ranks)
-    ranks: int = 1                                      # trainer processes (fsdp2: data-parallel ranks; rank 0 serves)
+    backend: str = "torch"                              # torch (one process) | fsdp2 (sharded over ranks) | megatron
+    ranks: int = 1                                      # trainer processes (fsdp2: data-parallel ranks; megatron: tp x dp; rank 0 serves)
+    megatron: MegatronConfig = dataclasses.field(default_factory=MegatronConfig)  # backend: megatron
     rank_timeout: float = 120.0                         # seconds a rank waits on another before the group fails
-    shard_sync: bool = False                            # fsdp2: every rank serves its own shards to the weight sync
+    shard_sync: bool = False                            # fsdp2, megatron: every rank serves its own shards to the weight sync
     wx_address: str = "127.0.0.1:50055"                 # weight_exchange; empty: no weight sync
     weight_transport: str = "shm"
     weight_host: str = "127.0.0.1"                      # where receivers reach this rank's weights (a container's IP)
@@ -72,9 +98,6 @@ class TrainerConfig(ServiceConfig):
     def check_backend(self) -> None:
         from services.trainer.backends import BACKENDS
 
-        if self.backend == "megatron":
-            raise FieldError("backend", "megatron is not a training backend yet (services/trainer/megatron converts "
-                             "weights and computes vocab-parallel log-probs; no step drives it); use torch or fsdp2")
         if self.backend not in BACKENDS:
             raise FieldError("backend", f"must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.ranks < 1:
@@ -83,8 +106,8 @@ class TrainerConfig(ServiceConfig):
             raise FieldError("rank_timeout", f"must be > 0, got {self.rank_timeout}")
         if self.backend == "torch" and self.ranks != 1:
             raise FieldError("ranks", f"the torch backend runs one rank, got {self.ranks} (backend: fsdp2 shards)")
-        if self.shard_sync and self.backend != "fsdp2":
-            raise FieldError("shard_sync", f"needs backend: fsdp2, got {self.backend!r}")
+        if self.shard_sync and self.backend not in ("fsdp2", "megatron"):
+            raise FieldError("shard_sync", f"needs backend: fsdp2 or megatron, got {self.backend!r}")
         if self.backend == "fsdp2":
             algo = self.build_algorithm()
             if self.lora.enabled:
@@ -92,6 +115,20 @@ class TrainerConfig(ServiceConfig):
             if algo.is_offline or algo.needs_critic:
                 raise FieldError("backend", f"fsdp2 runs the online presets without a critic; {self.algo!r} "
                                  "needs backend: torch")
+        if self.backend == "megatron":
+            self.check_megatron()
+
+    def check_megatron(self) -> None:
+        m, algo = self.megatron, self.build_algorithm()
+        if self.ranks % (m.tp * m.pp):
+            raise FieldError("ranks", f"{self.ranks} ranks do not split into tp {m.tp} x pp {m.pp} x data parallel")
+        if self.lora.enabled:
+            raise FieldError("lora.enabled", "the megatron backend trains full weights only (use backend: torch)")
+        if algo.is_offline or algo.needs_critic:
+            raise FieldError("backend", f"megatron runs the online presets without a critic; {self.algo!r} "
+                             "needs backend: torch")
+        if self.packing.enabled:
+            raise FieldError("packing.enabled", "the megatron backend runs padded rows; set packing.enabled: false")
 
     def algorithm_config(self) -> AlgorithmConfig:
         """The preset with ``algo_overrides`` on top; ``max_new_tokens`` unless the overrides set it."""

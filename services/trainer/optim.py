@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
 from services.common.errors import FieldError
+
+Clip = Callable[[list[torch.Tensor], float], torch.Tensor]  # (parameters, max norm) -> norm before clipping
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -49,12 +52,14 @@ class OptimConfig:
 
 
 def apply_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor, grad_clip: float,
-                 schedule: torch.optim.lr_scheduler.LRScheduler | None = None) -> dict[str, float]:
-    """Backward, clip, step; returns the pre-clip gradient norm and the learning rate used."""
+                 schedule: torch.optim.lr_scheduler.LRScheduler | None = None, clip: Clip | None = None
+                 ) -> dict[str, float]:
+    """Backward, clip, step; returns the pre-clip gradient norm and the learning rate used. ``clip`` (default
+    ``clip_grad_norm_``) is where a model split over ranks reduces its gradients and takes their global norm."""
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    grad_norm = (clip or torch.nn.utils.clip_grad_norm_)(params, grad_clip)
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     if schedule is not None:

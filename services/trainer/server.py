@@ -374,13 +374,15 @@ async def serve(config: TrainerConfig, stop: asyncio.Event) -> None:
 
 def weight_sender(config: TrainerConfig, engine):
     """``shard_sync``: this rank's sender of its own live shards (rank 0 under ``rank_id``, rank r under
-    ``rank_id``-dp``r``), registered with their FSDP2 layout."""
+    ``rank_id``-dp``r`` for fsdp2, ``rank_id``-r``r`` for megatron), registered with their layout."""
     from services.weight_exchange.client import SenderAgent
 
     params, shards = engine.local_shards()
-    rank_id = config.rank_id if engine.rank == 0 else f"{config.rank_id}-dp{engine.rank}"
-    return SenderAgent(rank_id=rank_id, params=params, shards=shards, framework="fsdp2",
-                       parallel={"dp": engine.world}, wx_address=config.wx_address, **client_security(config),
+    framework, parallel = engine.sender_layout()
+    suffix = "dp" if framework == "fsdp2" else "r"
+    rank_id = config.rank_id if engine.rank == 0 else f"{config.rank_id}-{suffix}{engine.rank}"
+    return SenderAgent(rank_id=rank_id, params=params, shards=shards, framework=framework,
+                       parallel=parallel, wx_address=config.wx_address, **client_security(config),
                        transports=(config.weight_transport,), host=config.weight_host)
 
 

@@ -15,7 +15,7 @@ import torch
 from services.trainer.algorithms import Algorithm, kl_estimate, masked_mean, token_entropy
 from services.trainer.batching import PackedBatch, batch_staleness
 from services.trainer.forward import frozen_logp, logp_and_entropy, policy_logp, sequence_logits
-from services.trainer.optim import OptimConfig, StatsMean, apply_update
+from services.trainer.optim import Clip, OptimConfig, StatsMean, apply_update
 
 if TYPE_CHECKING:
     from services.trainer.backends.shards import RowShards
@@ -62,12 +62,14 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, algo: A
                version: int, optim: OptimConfig, temperature: float, generator: torch.Generator,
                schedule: torch.optim.lr_scheduler.LRScheduler | None = None, critic: Critic | None = None,
                reference: Reference | None = None, sft_min_reward: float = 0.0,
-               phases: dict[str, float] | None = None, shards: RowShards | None = None) -> dict[str, float]:
+               phases: dict[str, float] | None = None, shards: RowShards | None = None,
+               clip: Clip | None = None) -> dict[str, float]:
     """One step of ``algo`` on ``batch``; returns the step's metrics (means over updates, maxima for ``*_max``).
     ``phases``, when given, receives the seconds spent in each phase (kept out of the metrics: those are a
     deterministic function of the inputs). ``shards`` (data-parallel ranks, each holding the whole batch): the
     no-grad forwards are split across the ranks and gathered, each rank trains its share of every minibatch
-    with its loss weighted by its share of the minibatch's loss weight, and the stats are reduced over ranks."""
+    with its loss weighted by its share of the minibatch's loss weight, and the stats are reduced over ranks.
+    ``clip``: see ``optim.apply_update``."""
     phases = {} if phases is None else phases
     if algo.is_offline:
         from services.trainer.offline_step import offline_step
@@ -125,7 +127,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, algo: A
             skipped += 1
             continue
         started = time.perf_counter()
-        stats.update(apply_update(model, optimizer, loss, optim.grad_clip, schedule))
+        stats.update(apply_update(model, optimizer, loss, optim.grad_clip, schedule, clip))
         if critic is not None:
             stats.update(critic.update(algo, mb, old_values[part], result.returns[part]))
         update += time.perf_counter() - started

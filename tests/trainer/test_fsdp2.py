@@ -26,6 +26,26 @@ def model_dir(tmp_path_factory) -> str:
     return make_model_dir(tmp_path_factory.mktemp("tiny"))
 
 
+def train_checkpoint_retake(engine, batches: list, rank: int, checkpoint: str) -> dict:
+    """Collective: train every batch, checkpointing before the last; resume from it and retake the last step.
+    Returns the step metrics, rank 0's weights after the steps, and the retaken step's metrics and weights."""
+    import torch.distributed as dist
+
+    metrics = []
+    for version, batch in enumerate(batches):
+        if version == len(batches) - 1:
+            state = {"engine": engine.state()}
+            if rank == 0:
+                engine.save(checkpoint, version=version, state=state)
+            dist.barrier()
+        metrics.append(engine.step(batch, version))
+    first = {name: t.detach().clone() for name, t in engine.weights().items()}
+    engine.restore(checkpoint)
+    again = engine.step(batches[-1], len(batches) - 1)
+    return {"metrics": metrics, "weights": first, "again_metrics": again,
+            "again_weights": {name: t.detach().clone() for name, t in engine.weights().items()}}
+
+
 def rank_main(rank: int, store: str, model_dir: str, batches_file: str, out_file: str) -> None:
     """One rank: join the group, train STEPS batches, checkpoint before the last, resume from it and retake it."""
     import torch.distributed as dist
@@ -38,23 +58,10 @@ def rank_main(rank: int, store: str, model_dir: str, batches_file: str, out_file
                             timeout=datetime.timedelta(seconds=60))
     engine = build_engine(TrainerConfig(model_path=model_dir, algo="grpo", max_new_tokens=NEW, wx_address="",
                                         optim=OPTIM, backend="fsdp2", ranks=RANKS))
-    batches = torch.load(batches_file, weights_only=False)
-    metrics = []
-    for version, batch in enumerate(batches):
-        if version == STEPS - 1:
-            state = {"engine": engine.state()}
-            checkpoint = f"{out_file}.ckpt"
-            if rank == 0:
-                engine.save(checkpoint, version=version, state=state)
-            dist.barrier()
-        metrics.append(engine.step(batch, version))
-    first = {name: t.clone() for name, t in engine.weights().items()}
-    engine.restore(checkpoint)
-    again = engine.step(batches[-1], STEPS - 1)
+    out = train_checkpoint_retake(engine, torch.load(batches_file, weights_only=False), rank, f"{out_file}.ckpt")
     params, shards = engine.local_shards()
     layout = [(s.canonical_name, s.canonical_region.offsets, s.canonical_region.sizes) for s in shards]
-    out = {"metrics": metrics, "weights": first, "again_metrics": again, "again_weights": dict(engine.weights()),
-           "local": {name: t.detach().clone() for name, t in params.items()}, "layout": layout}
+    out.update(local={name: t.detach().clone() for name, t in params.items()}, layout=layout)
     torch.save(out, f"{out_file}.{rank}")
     engine.close()
 

@@ -21,11 +21,11 @@ from services.trainer.reference import ReferenceConfig
 GROUPS, GROUP, NEW = 4, 4, 4
 
 
-def make_model_dir(path) -> str:
+def make_model_dir(path, *, layers: int = 1, kv_heads: int = 1) -> str:
     torch.manual_seed(0)
     tok = build_tokenizer()
-    model = TinyQwen3Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                            head_dim=16, intermediate_size=64).build(padded_vocab_size(tok))
+    model = TinyQwen3Config(hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
+                            num_key_value_heads=kv_heads, head_dim=16, intermediate_size=64).build(padded_vocab_size(tok))
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)

@@ -1,8 +1,7 @@
 """Trainer backends behind one interface (``base.TrainerBackend``), chosen by ``TrainerConfig.backend``:
-``torch`` (one process, one full copy of the model) and ``fsdp2`` (``fully_shard`` over data-parallel ranks).
-Imported lazily: a backend's libraries load only when it is used. Megatron-core's pieces (HF <-> Megatron
-conversion, the GPTModel builder, vocab-parallel log-probs) are in ``services/trainer/megatron``; no training
-backend drives them yet, so ``backend: megatron`` is refused with that said."""
+``torch`` (one process, one full copy of the model), ``fsdp2`` (``fully_shard`` over data-parallel ranks) and
+``megatron`` (megatron-core GPTModel ranks, tensor x data parallel; its pieces in ``services/trainer/megatron``).
+Imported lazily: a backend's libraries load only when it is used."""
 
 from __future__ import annotations
 
@@ -18,6 +17,7 @@ if TYPE_CHECKING:
 REGISTRY = {
     "torch": "services.trainer.backends.torch_backend:TorchBackend",
     "fsdp2": "services.trainer.backends.fsdp2:FSDP2Backend",
+    "megatron": "services.trainer.backends.megatron_backend:MegatronBackend",
 }
 BACKENDS = tuple(REGISTRY)
 

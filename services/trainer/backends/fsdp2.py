@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from services.common.device import host_copy, resolve_device
+from services.common.device import host_copy
 from services.trainer.backends import group
 from services.trainer.backends.shards import RowShards
 from services.trainer.backends.torch_backend import TorchBackend, check_written_for, hf_tensors
@@ -45,13 +45,7 @@ class FSDP2Backend(TorchBackend):
         self.refresh_weights()
 
     def resolve_device(self) -> torch.device:
-        name = self.config.device
-        if ":" not in name and name != "cpu":  # one device per rank on this host
-            name = f"{name}:{group.local_rank()}"
-        device = resolve_device(name)
-        if device.type != "cpu":
-            torch.get_device_module(device.type).set_device(device)
-        return device
+        return group.rank_device(self.config.device)
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         model.to(self.device).train()
@@ -83,6 +77,10 @@ class FSDP2Backend(TorchBackend):
 
         params = dict(self.model.named_parameters())
         return {name: p.to_local() for name, p in params.items()}, fsdp2_shards(params, self.rank, self.world)
+
+    def sender_layout(self) -> tuple[str, dict[str, int]]:
+        """The framework and parallel coordinates this rank's sender registers its shards under."""
+        return "fsdp2", {"dp": self.world}
 
     def weights(self) -> dict[str, torch.Tensor]:
         """Rank 0: full tensors under the Hugging Face names; other ranks hold none."""

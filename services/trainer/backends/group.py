@@ -6,8 +6,10 @@ from __future__ import annotations
 import datetime
 import os
 
+import torch
 import torch.distributed as dist
 
+from services.common.device import resolve_device
 from services.common.errors import FieldError
 from services.trainer.config import TrainerConfig
 
@@ -38,6 +40,16 @@ def env_rank() -> tuple[int, int] | None:
     if missing:
         raise FieldError("ranks", f"a trainer rank needs {', '.join(ENV)} in its environment; missing {missing}")
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def rank_device(name: str) -> torch.device:
+    """A rank's device: ``cuda`` / ``npu`` without an index is this host's device of the rank's local rank."""
+    if ":" not in name and name != "cpu":  # one device per rank on this host
+        name = f"{name}:{local_rank()}"
+    device = resolve_device(name)
+    if device.type != "cpu":
+        torch.get_device_module(device.type).set_device(device)
+    return device
 
 
 def local_rank() -> int:

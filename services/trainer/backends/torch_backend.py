@@ -43,9 +43,8 @@ class TorchBackend(TrainerBackend):
         self.algo = config.build_algorithm()
         self.device = self.resolve_device()
         self.bf16 = config.dtype == "bfloat16" and bf16_runs_natively(self.device)
-        base = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=torch.float32)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
-        self.model = self.prepare(config.lora.build(base))
+        self.model = self.prepare(config.lora.build(self.load_policy()))
         self.merged = MergedWeights(self.model) if is_lora(self.model) else None
         self.optimizer, self.schedule = config.optim.build(self.model, total_steps=config.total_steps)
         self.critic = config.critic.build(config.model_path, total_steps=config.total_steps) \
@@ -64,6 +63,14 @@ class TorchBackend(TrainerBackend):
     def resolve_device(self) -> torch.device:
         return resolve_device(self.config.device)
 
+    def load_policy(self) -> torch.nn.Module:
+        """The policy as its checkpoint holds it (Megatron: this rank's shards behind a causal-LM interface)."""
+        return AutoModelForCausalLM.from_pretrained(self.config.model_path, dtype=torch.float32)
+
+    def clip_grads(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Clip the gradients to ``max_norm`` in place; the norm before clipping (Megatron: over its ranks)."""
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model as it trains here (FSDP2: sharded over the ranks)."""
         return model.to(self.device).train()
@@ -81,7 +88,8 @@ class TorchBackend(TrainerBackend):
             metrics = train_step(self.model, self.optimizer, self.algo, batch, version=version, optim=self.config.optim,
                                  temperature=self.config.temperature, generator=self.generator,
                                  schedule=self.schedule, critic=self.critic, reference=self.reference,
-                                 sft_min_reward=self.config.sft_min_reward, phases=phases, shards=self.shards)
+                                 sft_min_reward=self.config.sft_min_reward, phases=phases, shards=self.shards,
+                                 clip=self.clip_grads)
         self.refresh_weights()
         optimizer = self.optimizer_seconds - optimizer_before  # the update splits into backward and optimizer step
         phases.update(optimizer=optimizer, backward=max(0.0, phases.pop("update", 0.0) - optimizer))

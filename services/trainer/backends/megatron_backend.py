@@ -1,0 +1,170 @@
+"""The ``megatron`` backend: the policy as megatron-core GPTModel ranks (tensor parallel over ``megatron.tp``
+ranks, data parallel over the rest), pp = 1: each microbatch's forward and backward run on the model directly,
+on CPU (gloo) or CUDA/NPU. Everything above the forward — the algorithms, minibatches, data-parallel row shares
+(``shards.RowShards`` over the DP group) — is the torch backend's; the model answers as a causal LM
+(``megatron/causal_lm.py``), and the gradient clip reduces over the ranks.
+
+Weights: each rank loads its shards of the HF checkpoint (``megatron/convert.py``, the layout the weight exchange
+uses); after every step rank 0 gathers them into a transformers model of the same checkpoint, whose tensors are
+what ``weights()`` returns and what checkpoints write. Optimizer state stays per rank: a checkpoint holds every
+rank's, and resumes at the same tp x dp layout.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+from services.common.device import host_copy
+from services.trainer.backends import group
+from services.trainer.backends.shards import RowShards
+from services.trainer.backends.torch_backend import TorchBackend, check_written_for, hf_tensors
+from services.trainer.checkpoint import read_state, save_checkpoint
+from services.trainer.config import TrainerConfig
+
+
+class MegatronBackend(TorchBackend):
+    def __init__(self, config: TrainerConfig) -> None:
+        from megatron.core import parallel_state as ps
+
+        from services.weight_exchange.client.layouts.model import model_spec
+        from services.weight_exchange.client.layouts.topology import parse_side
+
+        self.owns_group = group.join(config)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        m = config.megatron
+        ps.initialize_model_parallel(tensor_model_parallel_size=m.tp, pipeline_model_parallel_size=m.pp,
+                                     expert_model_parallel_size=m.ep)
+        self.tp_group, self.dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
+        self.spec = model_spec(config.model_path)
+        self.side = parse_side(m.side(self.world), "megatron")
+        self.hf: torch.nn.Module | None = None  # rank 0: the gathered weights, as a transformers model
+        super().__init__(config)
+        from services.trainer.megatron.causal_lm import ParallelGrads
+
+        self.grads = ParallelGrads(self.model.gpt, self.model.gpt.config, self.tp_group, self.dp_group)
+        self.shards = RowShards(ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), self.device,
+                                group=self.dp_group)
+        self.refresh_weights()
+
+    def resolve_device(self) -> torch.device:
+        return group.rank_device(self.config.device)
+
+    def load_policy(self) -> torch.nn.Module:
+        from services.trainer.megatron.causal_lm import MegatronCausalLM, allow_cpu_forward
+        from services.trainer.megatron.convert import canonical_state, hf_to_megatron
+        from services.trainer.megatron.model import build_gpt_model, current_parallel
+
+        if self.device.type == "cpu":
+            allow_cpu_forward()
+        hf = AutoModelForCausalLM.from_pretrained(self.config.model_path, dtype=torch.float32)
+        par = current_parallel()
+        gpt = build_gpt_model(self.spec, par, **_architecture(hf.config))
+        gpt.load_state_dict(hf_to_megatron(canonical_state(hf.state_dict(), self.spec), self.spec, par), strict=True)
+        if self.rank == 0:
+            self.hf = hf.train()
+        return MegatronCausalLM(gpt, self.spec.vocab_size)
+
+    def clip_grads(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        return self.grads.clip(params, max_norm)
+
+    @torch.no_grad()
+    def refresh_weights(self) -> None:
+        """Collective: every rank's shards to rank 0, copied into its transformers model's tensors (the same
+        objects for the whole run: the weight-sync sender holds them)."""
+        from services.trainer.megatron.convert import gather_to_hf, to_hf_module
+
+        canonical = gather_to_hf(self.model.gpt.state_dict(), self.spec, self.side)
+        if self.hf is None:
+            return
+        assert canonical is not None
+        params = dict(self.hf.named_parameters())
+        for name, tensor in to_hf_module(canonical, self.hf.state_dict()).items():
+            if name in params:
+                params[name].copy_(tensor)
+
+    def local_shards(self) -> tuple[dict[str, torch.Tensor], list]:
+        """This rank's live parameters (updated in place by every step) and their layout for the weight exchange:
+        the coordinates megatron-core's parallel_state gave this rank, and the layout those coordinates imply,
+        checked against the names and shapes the model holds (a mismatch stops start-up, naming the tensors)."""
+        from services.trainer.megatron.convert import VOCAB_TENSORS
+        from services.trainer.megatron.model import current_parallel
+        from services.weight_exchange.client.layouts.megatron import megatron_shards
+
+        params = {name: p.detach() for name, p in self.model.gpt.named_parameters()}
+        shards = megatron_shards(self.spec, current_parallel(), "float32")  # the parameters train in float32
+        declared = {s.local_name: s.local_shape for s in shards}
+        # a vocab shard holding only padding rows has nothing to send: the layout leaves it out
+        actual = {name: tuple(t.shape) for name, t in params.items() if name in declared or name not in VOCAB_TENSORS}
+        if declared != actual:
+            wrong = sorted(set(declared.items()) ^ set(actual.items()))[:4]
+            raise RuntimeError(f"trainer rank {self.rank}: the megatron layout and the model disagree on {wrong}")
+        return {name: params[name] for name in declared}, shards
+
+    def sender_layout(self) -> tuple[str, dict[str, int]]:
+        from services.trainer.megatron.model import current_parallel
+
+        return "megatron", current_parallel().as_dict()
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Rank 0: full tensors under the Hugging Face names; other ranks hold none."""
+        return dict(self.hf.named_parameters()) if self.hf is not None else {}
+
+    def save(self, path: str | pathlib.Path, *, version: int, state: dict[str, Any] | None = None,
+             lineage: dict[str, Any] | None = None) -> pathlib.Path:
+        assert self.hf is not None, "checkpoints are written by rank 0"
+        return save_checkpoint(self.hf, self.tokenizer, path, version=version,
+                               state_dict=host_copy(dict(self.hf.state_dict())), state=state, lineage=lineage)
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """Collective: every rank's optimizer state (its own shards), by rank, on rank 0."""
+        states: list | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(host_copy(self.optimizer.state_dict()), states, dst=0)
+        return {"layout": str(self.side), "ranks": states} if self.rank == 0 else {}
+
+    def restore(self, path: str | pathlib.Path) -> dict[str, Any]:
+        """Collective: rank 0 reads the checkpoint and sends each rank its shards and optimizer state."""
+        from services.trainer.megatron.convert import canonical_state, hf_to_megatron
+        from services.trainer.megatron.model import current_parallel
+
+        state: dict[str, Any] = {}
+        shared: list[Any] = [None]
+        if self.rank == 0:
+            state = read_state(path)
+            check_written_for(state["engine"], self.config, path)
+            engine = state["engine"]
+            if engine["optimizer"].get("layout") != str(self.side):
+                raise ValueError(f"checkpoint {path} holds optimizer state for {engine['optimizer'].get('layout')}, "
+                                 f"this trainer is {self.side}")
+            shared = [{"hf": hf_tensors(pathlib.Path(path)), "optimizer": engine["optimizer"]["ranks"],
+                       "schedule": engine["schedule"], "rng": engine["rng"]}]
+        dist.broadcast_object_list(shared, src=0)
+        got = shared[0]
+        gpt = self.model.gpt
+        par = current_parallel()
+        with torch.no_grad():
+            live = dict(gpt.state_dict())
+            for name, tensor in hf_to_megatron(canonical_state(got["hf"], self.spec), self.spec, par).items():
+                live[name].copy_(tensor)
+        self.optimizer.load_state_dict(got["optimizer"][self.rank])
+        self.load_schedule_and_rng(got)
+        self.refresh_weights()
+        return state
+
+    def close(self) -> None:
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _architecture(config) -> dict[str, Any]:
+    """What the GPTModel needs beyond the layout's ModelSpec, from the transformers config."""
+    rope = getattr(config, "rope_theta", None) or (getattr(config, "rope_parameters", None) or {}).get("rope_theta")
+    return {"rope_theta": float(rope or 10000.0), "norm_eps": float(getattr(config, "rms_norm_eps", 1e-6)),
+            "max_sequence_length": int(getattr(config, "max_position_embeddings", 4096))}

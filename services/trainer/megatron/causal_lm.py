@@ -1,0 +1,102 @@
+"""A megatron-core GPTModel rank behind the interface the trainer's forwards use (a transformers causal LM's).
+
+``MegatronCausalLM(gpt)(input_ids=..., attention_mask=...)`` returns ``.logits`` float[B, L, V]: the rank's
+vocab-parallel columns gathered over the tensor-parallel group with megatron-core's own autograd mapping (its
+backward hands each rank the gradient of its columns), padding columns dropped. Every objective, log-prob and
+entropy function then runs unchanged, on every TP rank alike. The cost is the full vocabulary's logits on each
+rank; ``megatron/loss.py`` computes log-probs without the gather, for when that memory matters.
+
+Rows are right-padded (``batching.pack``), so the causal mask alone keeps every real position from seeing
+padding; pad positions compute garbage that no objective reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+import torch.distributed as dist
+
+
+class MegatronCausalLM(torch.nn.Module):
+    def __init__(self, gpt: torch.nn.Module, vocab_size: int) -> None:
+        super().__init__()
+        self.gpt = gpt
+        self.vocab_size = vocab_size
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, use_cache: bool = False,
+                **_) -> types.SimpleNamespace:
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        width = input_ids.shape[1]
+        positions = torch.arange(width, device=input_ids.device).expand_as(input_ids)
+        causal = torch.triu(torch.ones(width, width, dtype=torch.bool, device=input_ids.device), 1)[None, None]
+        local = self.gpt(input_ids, positions, causal)   # [B, L, V_padded / tp]
+        logits = gather_from_tensor_model_parallel_region(local)
+        return types.SimpleNamespace(logits=logits[..., :self.vocab_size])
+
+    def get_input_embeddings(self) -> types.SimpleNamespace:
+        return types.SimpleNamespace(num_embeddings=self.vocab_size)
+
+
+class ParallelGrads:
+    """What megatron-core's ``finalize_model_grads`` and gradient clipping do, for a model without its DDP wrapper:
+    the gradients averaged over the data-parallel group (each DP rank trained its share of the rows); the
+    parameters every TP rank holds a copy of but sees only its heads of (``q_layernorm`` / ``k_layernorm``, and
+    sequence-parallel norms) summed over the TP group, ``average_gradients_across_tp_domain`` ones averaged; then
+    one norm of the whole model — TP shards summed over the group, copies counted once — so every rank clips by
+    the same factor and the copies stay equal."""
+
+    def __init__(self, module: torch.nn.Module, config, tp_group, dp_group) -> None:
+        self.tp_group, self.dp_group = tp_group, dp_group
+        self.tp_sum, self.tp_mean = [], []
+        for name, p in module.named_parameters():
+            if getattr(p, "average_gradients_across_tp_domain", False):
+                self.tp_mean.append(p)
+            elif (config.sequence_parallel and getattr(p, "sequence_parallel", False)) or (
+                    config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)):
+                self.tp_sum.append(p)
+
+    def clip(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        grads = [p for p in params if p.grad is not None]
+        dp = dist.get_world_size(self.dp_group)
+        if dp > 1:
+            for p in grads:
+                dist.all_reduce(p.grad, group=self.dp_group)
+                p.grad.div_(dp)
+        if dist.get_world_size(self.tp_group) > 1:
+            for members, op in ((self.tp_sum, dist.ReduceOp.SUM), (self.tp_mean, dist.ReduceOp.AVG)):
+                for p in members:
+                    if p.grad is not None:
+                        dist.all_reduce(p.grad, op=op, group=self.tp_group)
+        counted = [p.grad for p in grads if param_is_not_tensor_parallel_duplicate(p)]
+        device = grads[0].grad.device if grads else torch.device("cpu")
+        square = sum((g.float().square().sum() for g in counted), torch.zeros((), device=device))
+        dist.all_reduce(square, group=self.tp_group)
+        norm = square.sqrt()
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in grads:
+            p.grad.mul_(coef.to(p.grad.dtype))
+        return norm
+
+
+@contextlib.contextmanager
+def _nothing(*_, **__):
+    yield
+
+
+def allow_cpu_forward() -> None:
+    """megatron-core's forward asks CUDA for the rotary table's device and forks a CUDA RNG state around
+    attention dropout; with no CUDA device both raise. On a CPU rank (dropout is off in our configs) point the
+    first at the CPU and make the fork a no-op. Called only when the trainer's device is the CPU."""
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    if torch.cuda.is_available():
+        return
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    megatron_random.get_cuda_rng_tracker().fork = _nothing
+    # tied embeddings move the shared weight with `.cuda()` before their all-reduce (pp > 1); stay on CPU
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]

@@ -1,0 +1,102 @@
+"""The megatron backend with 2 real megatron-core ranks (gloo on CPU) takes the steps the single-process torch
+backend takes on the same batches, at tp=2 (tensor parallel) and at tp=1 x dp=2: the same losses, gradient norms
+and final weights, and a checkpoint resumed inside the group retakes its step exactly."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import torch
+
+from services.trainer.config import MegatronConfig, TrainerConfig
+from services.trainer.optim import OptimConfig
+from services.trainer.packing import PackingConfig
+from tests.ranks import join_cpu_group, leave_cpu_group, run_spawned
+from tests.trainer.test_fsdp2 import train_checkpoint_retake
+from tests.trainer.test_trainer_engine import NEW, engine_for, make_batch, make_model_dir
+
+pytest.importorskip("megatron.core")
+
+STEPS, RANKS, DEADLINE = 2, 2, 300.0
+OPTIM = OptimConfig(lr=3e-3, minibatches=2)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    """Two key-value heads, so that two tensor-parallel ranks hold one each."""
+    return make_model_dir(tmp_path_factory.mktemp("tiny-tp"), layers=2, kv_heads=2)
+
+
+def config(model_dir: str, tp: int) -> TrainerConfig:
+    return TrainerConfig(model_path=model_dir, algo="grpo", max_new_tokens=NEW, wx_address="", optim=OPTIM,
+                         backend="megatron", ranks=RANKS, megatron=MegatronConfig(tp=tp))
+
+
+def rank_main(rank: int, store: str, model_dir: str, tp: int, batches_file: str, out_file: str) -> None:
+    """One rank: train STEPS batches, checkpoint before the last, resume from it and retake it."""
+    from services.trainer.engine import build_engine
+
+    torch.set_num_threads(1)
+    join_cpu_group(rank, RANKS, store)
+    engine = build_engine(config(model_dir, tp))
+    out = train_checkpoint_retake(engine, torch.load(batches_file, weights_only=False), rank, f"{out_file}.ckpt")
+    torch.save(out, f"{out_file}.{rank}")
+    leave_cpu_group()
+
+
+def close(a: float, b: float, rel: float = 1e-4, abs_: float = 1e-6) -> bool:
+    return abs(a - b) <= max(rel * max(abs(a), abs(b)), abs_)
+
+
+@pytest.mark.parametrize("tp", [2, 1], ids=["tp=2", "tp=1,dp=2"])
+def test_two_megatron_ranks_take_the_single_process_steps(model_dir, tmp_path, tp):
+    torch.manual_seed(0)
+    single = engine_for(model_dir, "grpo", optim=OPTIM)
+    batches = [make_batch(single.model, seed=s, version=s) for s in range(STEPS)]
+    torch.save(batches, tmp_path / "batches.pt")
+    expected = [single.step(b, v) for v, b in enumerate(batches)]
+    out = str(tmp_path / "out")
+    codes = run_spawned(rank_main, [(r, str(tmp_path / "store"), model_dir, tp, str(tmp_path / "batches.pt"), out)
+                                    for r in range(RANKS)], deadline_s=DEADLINE)
+    assert codes == [0] * RANKS, f"rank exit codes {codes} (negative: killed at the {DEADLINE}s deadline)"
+    ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(RANKS)]
+
+    got = ranks[0]["metrics"]
+    for step, (want, have) in enumerate(zip(expected, got, strict=True)):
+        for key in ("loss", "grad_norm", "entropy", "approx_kl", "advantage_abs_mean"):
+            assert close(want[key], have[key]), f"step {step} {key}: torch {want[key]} vs megatron {have[key]}"
+    assert [m["loss"] for m in ranks[1]["metrics"]] == [m["loss"] for m in got]
+    assert ranks[1]["weights"] == {}  # only rank 0 gathers full weights
+    weights = single.weights()
+    assert set(ranks[0]["weights"]) == set(weights)
+    from services.trainer.backends.torch_backend import hf_tensors
+
+    initial, moved = hf_tensors(pathlib.Path(model_dir)), 0.0
+    for name, tensor in weights.items():
+        # ~1e-6 apart (reductions in another order; Adam's first steps magnify that where a gradient is ~0)
+        torch.testing.assert_close(ranks[0]["weights"][name], tensor.detach(), rtol=1e-4, atol=5e-5, msg=name)
+        moved = max(moved, float((ranks[0]["weights"][name] - initial[name]).abs().max()))
+    assert moved > 1e-3  # the steps changed the weights: the comparison is not of two untrained models
+    assert json.loads((tmp_path / "out.ckpt" / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    assert ranks[0]["again_metrics"]["loss"] == got[-1]["loss"]
+    for name, tensor in ranks[0]["weights"].items():
+        assert torch.equal(ranks[0]["again_weights"][name], tensor), name
+
+
+@pytest.mark.parametrize("settings, field", [
+    ({"ranks": 3, "megatron": MegatronConfig(tp=2)}, "^ranks: 3 ranks do not split"),
+    ({"algo": "ppo"}, "^backend: megatron .* 'ppo'"),
+    ({"packing": PackingConfig(enabled=True)}, "^packing.enabled: "),
+])
+def test_what_the_megatron_backend_cannot_run_is_refused_at_start_naming_the_field(settings, field):
+    with pytest.raises(ValueError, match=field):
+        TrainerConfig(backend="megatron", **{"ranks": 2, **settings})
+
+
+@pytest.mark.parametrize("sizes, field", [({"pp": 2}, "^pp: pipeline stages"), ({"ep": 2}, "^ep: expert"),
+                                          ({"tp": 0}, "^tp: must be >= 1")])
+def test_the_parallel_sizes_not_built_yet_are_refused_naming_them(sizes, field):
+    with pytest.raises(ValueError, match=field):
+        MegatronConfig(**sizes)

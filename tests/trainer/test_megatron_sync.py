@@ -1,0 +1,91 @@
+"""Each megatron rank a sender (``shard_sync``): two tensor-parallel ranks of the megatron backend, after a training
+step, serve their own live shards to a real weight-exchange service, and a receiver holding the Hugging Face layout
+gets exactly the weights the group trained — each byte once, pulled from the rank that holds it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from services.trainer.config import MegatronConfig, TrainerConfig
+from tests.ranks import join_cpu_group, leave_cpu_group, run_spawned
+from tests.trainer.test_trainer_engine import NEW, engine_for, make_batch
+from tests.weight_exchange.test_sync_path import stack  # noqa: F401  (the fixture: nats, service, receiver)
+from tests.weight_exchange.tiny import VOCAB
+
+pytest.importorskip("megatron.core")
+
+RANKS, DEADLINE, VERSION = 2, 300.0, 1
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    """The receiver's architecture (the built-in tiny Qwen3), at other weights."""
+    from services.trainer.models import TinyQwen3Config, build_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-sync")
+    torch.manual_seed(3)
+    TinyQwen3Config().build(VOCAB).save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+async def serve_and_sync(engine, rank: int, address: str) -> dict:
+    import torch.distributed as dist
+
+    from services.weight_exchange.client import SenderAgent
+
+    params, shards = engine.local_shards()
+    framework, parallel = engine.sender_layout()
+    sender = SenderAgent(f"trainer-0-r{rank}" if rank else "trainer-0", params, address, transports=("tcp",),
+                         shards=shards, framework=framework, parallel=parallel, version=VERSION)
+    await sender.start()
+    out: dict = {}
+    try:
+        await asyncio.to_thread(dist.barrier)   # both ranks registered
+        if rank == 0:
+            reply = await sender.sync(VERSION, timeout=60.0, transport="tcp", verify=True)
+            out = {"bytes_moved": reply.bytes_moved, "num_receivers": reply.num_receivers,
+                   "local_bytes": sum(t.numel() * t.element_size() for t in params.values())}
+        await asyncio.to_thread(dist.barrier)   # rank 1 serves until rank 0's sync is done
+    finally:
+        await sender.close()
+    return out
+
+
+def rank_main(rank: int, store: str, model_dir: str, batch_file: str, address: str, out_file: str) -> None:
+    from services.trainer.engine import build_engine
+
+    torch.set_num_threads(1)
+    join_cpu_group(rank, RANKS, store)
+    engine = build_engine(TrainerConfig(model_path=model_dir, algo="grpo", max_new_tokens=NEW, wx_address="",
+                                        backend="megatron", ranks=RANKS, megatron=MegatronConfig(tp=2),
+                                        shard_sync=True))
+    engine.step(torch.load(batch_file, weights_only=False), 0)
+    out = asyncio.run(serve_and_sync(engine, rank, address))
+    out["weights"] = {name: t.detach().clone() for name, t in engine.weights().items()}
+    torch.save(out, f"{out_file}.{rank}")
+    leave_cpu_group()
+
+
+def test_two_megatron_ranks_each_send_their_own_shards_into_the_receiver(stack, model_dir, tmp_path):  # noqa: F811
+    single = engine_for(model_dir, "grpo")
+    torch.save(make_batch(single.model, seed=0, version=0), tmp_path / "batch.pt")
+    out = str(tmp_path / "out")
+    codes = run_spawned(rank_main, [(r, str(tmp_path / "store"), model_dir, str(tmp_path / "batch.pt"),
+                                     stack["address"], out) for r in range(RANKS)], deadline_s=DEADLINE)
+    assert codes == [0] * RANKS, f"rank exit codes {codes} (negative: killed at the {DEADLINE}s deadline)"
+    rank0, rank1 = (torch.load(f"{out}.{r}", weights_only=False) for r in range(RANKS))
+    trained = rank0["weights"]   # rank 0's gathered copy of what the group trained
+    got = torch.load(stack["out"] / f"v{VERSION}.pt")
+    assert got.keys() == trained.keys()
+    for name, tensor in trained.items():
+        assert torch.equal(got[name], tensor), name
+    initial = single.weights()
+    assert any(not torch.equal(trained[n], initial[n].detach()) for n in trained)  # the step moved the weights
+    full = sum(t.numel() * t.element_size() for t in trained.values())
+    assert rank0["num_receivers"] == 1 and rank0["bytes_moved"] == full  # every byte once: the minimum
+    assert rank0["local_bytes"] < full  # rank 0 alone does not hold the model: rank 1's shards came from rank 1
+    assert rank1["weights"] == {} and rank1.keys() == {"weights"}  # rank 1 gathers nothing and syncs nothing

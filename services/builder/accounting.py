@@ -2,7 +2,8 @@
 
 A restarted builder reads the ledger (issued prompts, dropped groups, refills) and the batches published; from
 them `recount` derives every counter the builder reports and its staleness budget restarts from, so the arithmetic
-of recovery lives here, tested directly, and `Builder.recover` only reads and applies it.
+of recovery lives here, tested directly, and `Builder.recover` only reads and applies it. `RunEnd` is when the
+run's last event may go out.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import dataclasses
 from collections.abc import Iterable
 
 from services.builder.admission import OnlineBudget, StalenessBudget
+from services.builder.evaluation import EvalRound
 from services.builder.ledger import NO_VARIANCE, Batched, LedgerState
 
 
@@ -65,3 +67,36 @@ def recount(ledger: LedgerState, batches: Iterable[Batched]) -> Recount:
         refills=min(ledger.refills, len(filtered)),
         issued=ledger.issued,
         dropped_online=len(dropped) - dropped_workflow)
+
+
+@dataclasses.dataclass
+class RunEnd:
+    """How a run ends: the final eval round is issued once; RUN_END is asked for once that round completes (or an
+    online run reaches its steps) and goes out once the trainer's final checkpoint is seen, or
+    ``checkpoint_timeout_s`` after asking (a final/ still being written would be cut off by the stack's stop)."""
+
+    checkpoint_timeout_s: float
+    final_round: EvalRound | None = None
+    seen: bool = False                 # a RUN_END is on the stream (this builder's, or a predecessor's)
+    checkpointed: bool = False         # the trainer's CHECKPOINT event for final/ was seen
+    asked: tuple[int, dict[str, float], float] | None = None  # (version, metrics, when): RUN_END asked, not yet out
+
+    def ask(self, version: int, metrics: dict[str, float], at: float) -> None:
+        if self.asked is None:
+            self.asked = (version, metrics, at)
+
+    def due(self, at: float) -> tuple[int, dict[str, float], bool] | None:
+        """(version, metrics, whether the final checkpoint was seen) when RUN_END should go out now; else None."""
+        if self.asked is None or self.seen:
+            return None
+        version, metrics, asked = self.asked
+        if not self.checkpointed and at - asked < self.checkpoint_timeout_s:
+            return None
+        return version, metrics, self.checkpointed
+
+    def waited(self, at: float) -> float:
+        return at - self.asked[2] if self.asked is not None else 0.0
+
+    def interrupted(self) -> bool:
+        """The final round completed but no RUN_END followed (the crash came between the two events)."""
+        return self.final_round is not None and self.final_round.complete and not self.seen

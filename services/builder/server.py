@@ -12,7 +12,7 @@ import time
 import prometheus_client
 from transformers import AutoTokenizer
 
-from services.builder.accounting import recount
+from services.builder.accounting import RunEnd, recount
 from services.builder.admission import OnlineBudget, StalenessBudget
 from services.builder.config import BuilderConfig
 from services.builder.datasets import shuffled_epochs
@@ -110,12 +110,9 @@ class Builder:
         self.received = 0
         self.dropped_stale = 0
         self.reward_sum = 0.0
-        self.final_round: EvalRound | None = None
-        self.run_end_seen = False
+        self.run_end = RunEnd(config.final_checkpoint_timeout_s)
         self.finished = asyncio.Event()
         self.traj_discarded = 0
-        self.final_checkpointed = False  # the trainer's CHECKPOINT event for final/ was seen
-        self.run_end_pending: tuple[int, dict[str, float], float] | None = None  # RUN_END asked, not yet out
         self.eval_since: dict[int, float] = {}  # eval round -> when it was issued (or recovered), monotonic
         self.in_flight_since: dict[str, float] = {}  # issued train group -> when (monotonic), until consumed
         self.checkpoints: list[int] = []  # versions of the newest CHECKPOINTS_KEPT checkpoint events
@@ -150,8 +147,8 @@ class Builder:
         version = self.budget.version
         total = self.config.total_steps
         if total and self.batches_published >= total and version >= total and self.deployed_version >= total:
-            if self.final_round is None and not self.evals.pending:
-                self.final_round = await self.issue_eval(version, final=True)
+            if self.run_end.final_round is None and not self.evals.pending:
+                self.run_end.final_round = await self.issue_eval(version, final=True)
             return False
         if self.evals.due(version) and self.deployed_version >= version and not self.evals.pending:
             await self.issue_eval(version)
@@ -426,22 +423,20 @@ class Builder:
     async def _publish_run_end(self, version: int, metrics: dict[str, float]) -> None:
         """RUN_END, once the trainer's final checkpoint is out (what stops `make run`'s stack: a final/ still
         being written would be cut off), or `final_checkpoint_timeout_s` after asking, whichever comes first."""
-        if self.run_end_pending is None:
-            self.run_end_pending = (version, metrics, time.monotonic())
+        self.run_end.ask(version, metrics, time.monotonic())
         await self._end_when_checkpointed()
 
     async def _end_when_checkpointed(self) -> None:
-        if self.run_end_pending is None or self.finished.is_set():
+        due = self.run_end.due(time.monotonic())
+        if due is None:
             return
-        version, metrics, asked = self.run_end_pending
-        waited = time.monotonic() - asked
-        if not self.final_checkpointed and waited < self.config.final_checkpoint_timeout_s:
-            return
-        if not self.final_checkpointed:
-            self.log.warning("run_end_without_final_checkpoint", waited_s=round(waited, 1))
+        version, metrics, checkpointed = due
+        if not checkpointed:
+            self.log.warning("run_end_without_final_checkpoint", waited_s=round(self.run_end.waited(time.monotonic()), 1))
         end = data_pb2.VersionEvent(event_id="run-end", version=version, kind=data_pb2.VERSION_KIND_RUN_END,
                                     at=now(), metrics=metrics)
         await self.bus.publish(SUBJECT_VERSIONS, end, end.event_id)
+        self.run_end.seen = True
         self.finished.set()
 
     async def handle_version(self, event: data_pb2.VersionEvent) -> None:
@@ -461,11 +456,11 @@ class Builder:
         elif event.kind == data_pb2.VERSION_KIND_EVAL and event.event_id.startswith("eval-"):
             self.evals.close(int(event.event_id.removeprefix("eval-")))
         elif event.kind == data_pb2.VERSION_KIND_RUN_END:
-            self.run_end_seen = True
+            self.run_end.seen = True
             self.finished.set()
         elif event.kind == data_pb2.VERSION_KIND_CHECKPOINT:
             self.checkpoints = sorted({*self.checkpoints, event.version})[-CHECKPOINTS_KEPT:]
-            self.final_checkpointed |= pathlib.PurePath(event.checkpoint_path).name == "final"
+            self.run_end.checkpointed |= pathlib.PurePath(event.checkpoint_path).name == "final"
             if live:
                 await self.prune_blobs()
                 await self._end_when_checkpointed()
@@ -518,12 +513,12 @@ class Builder:
             rnd = self.evals.restore(r.round_id, r.version, r.expected, final=r.final)
             self.eval_since[r.round_id] = time.monotonic()
             if r.final:
-                self.final_round = rnd
+                self.run_end.final_round = rnd
         reopened = [r for r in self.evals.rounds.values() if not r.complete]
         for rnd in reopened:
             await self.publish_eval_work(rnd)
-        if self.final_round is not None and self.final_round.complete and not self.run_end_seen:
-            await self._publish_run_end(self.final_round.version, {})  # the crash came between the two events
+        if self.run_end.interrupted():
+            await self._publish_run_end(self.run_end.final_round.version, {})  # the crash came between the two events
         self.live.set()
         self.changed.set()
         self.log.info("recovered", version=self.budget.version, deployed=self.deployed_version,

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from services.builder.accounting import recount
+from services.builder.accounting import RunEnd, recount
 from services.builder.admission import OnlineBudget, StalenessBudget
+from services.builder.evaluation import EvalRound
 from services.builder.ledger import NO_VARIANCE, Batched, Dropped, LedgerState
 
 
@@ -41,3 +42,27 @@ def test_the_budgets_restart_where_they_stood():
 def test_a_fresh_ledger_counts_nothing():
     counts = recount(LedgerState(), [])
     assert counts.batches_published == 0 and counts.received == 0 and counts.open_groups() == []
+
+
+def test_run_end_waits_for_the_final_checkpoint_or_its_timeout_and_goes_out_once():
+    end = RunEnd(checkpoint_timeout_s=30.0)
+    assert end.due(at=0.0) is None            # nothing asked
+    end.ask(5, {"eval_accuracy": 0.5}, at=100.0)
+    end.ask(6, {}, at=101.0)                  # a second ask keeps the first
+    assert end.due(at=129.0) is None          # no final checkpoint yet, still inside the wait
+    assert end.due(at=130.0) == (5, {"eval_accuracy": 0.5}, False) and end.waited(130.0) == 30.0
+    end.checkpointed = True
+    assert end.due(at=100.5) == (5, {"eval_accuracy": 0.5}, True)   # the checkpoint is out: at once
+    end.seen = True
+    assert end.due(at=200.0) is None          # on the stream already
+
+
+def test_a_completed_final_round_without_run_end_is_an_interrupted_end():
+    end = RunEnd(checkpoint_timeout_s=1.0)
+    assert not end.interrupted()
+    end.final_round = EvalRound(round_id=2, version=9, expected=1, final=True)
+    assert not end.interrupted()              # issued, not complete
+    end.final_round.rewards["t"] = 1.0
+    assert end.interrupted()
+    end.seen = True
+    assert not end.interrupted()

@@ -268,6 +268,7 @@ class Trainer:
         return out
 
     def _save(self, target: pathlib.Path, version: int, resumable: bool) -> pathlib.Path:
+        self.engine.gather_weights()
         lineage = {key: list(value) for key, value in self.lineage.items()}
         state = None
         if resumable:

@@ -42,7 +42,7 @@ def rank_main(rank: int, store: str, model_dir: str, tp: int, batches_file: str,
     join_cpu_group(rank, RANKS, store)
     engine = build_engine(config(model_dir, tp))
     out = train_checkpoint_retake(engine, torch.load(batches_file, weights_only=False), rank, f"{out_file}.ckpt")
-    torch.save(out, f"{out_file}.{rank}")
+    torch.save({**out, "trainable": engine.trainable_parameters()}, f"{out_file}.{rank}")
     leave_cpu_group()
 
 
@@ -69,6 +69,7 @@ def test_two_megatron_ranks_take_the_single_process_steps(model_dir, tmp_path, t
             assert close(want[key], have[key]), f"step {step} {key}: torch {want[key]} vs megatron {have[key]}"
     assert [m["loss"] for m in ranks[1]["metrics"]] == [m["loss"] for m in got]
     assert ranks[1]["weights"] == {}  # only rank 0 gathers full weights
+    assert ranks[0]["trainable"] == single.trainable_parameters()  # rank 0 reports the whole model's
     weights = single.weights()
     assert set(ranks[0]["weights"]) == set(weights)
     from services.trainer.backends.torch_backend import hf_tensors

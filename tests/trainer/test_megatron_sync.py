@@ -63,8 +63,12 @@ def rank_main(rank: int, store: str, model_dir: str, batch_file: str, address: s
     engine = build_engine(TrainerConfig(model_path=model_dir, algo="grpo", max_new_tokens=NEW, wx_address="",
                                         backend="megatron", ranks=RANKS, megatron=MegatronConfig(tp=2),
                                         shard_sync=True))
+    before = {name: t.detach().clone() for name, t in engine.weights().items()}
     engine.step(torch.load(batch_file, weights_only=False), 0)
     out = asyncio.run(serve_and_sync(engine, rank, address))
+    # with shard_sync, rank 0 gathers a full copy only for a checkpoint (gather_weights), not after each step
+    out["stale"] = all(torch.equal(t, before[name]) for name, t in engine.weights().items())
+    engine.gather_weights()
     out["weights"] = {name: t.detach().clone() for name, t in engine.weights().items()}
     torch.save(out, f"{out_file}.{rank}")
     leave_cpu_group()
@@ -88,4 +92,5 @@ def test_two_megatron_ranks_each_send_their_own_shards_into_the_receiver(stack, 
     full = sum(t.numel() * t.element_size() for t in trained.values())
     assert rank0["num_receivers"] == 1 and rank0["bytes_moved"] == full  # every byte once: the minimum
     assert rank0["local_bytes"] < full  # rank 0 alone does not hold the model: rank 1's shards came from rank 1
-    assert rank1["weights"] == {} and rank1.keys() == {"weights"}  # rank 1 gathers nothing and syncs nothing
+    assert rank0["stale"]  # the step did not gather: the receiver's bytes came from the ranks' own shards
+    assert rank1["weights"] == {} and "bytes_moved" not in rank1  # rank 1 gathers nothing and asks for no sync

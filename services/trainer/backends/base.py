@@ -30,6 +30,11 @@ class TrainerBackend(abc.ABC):
     def weights(self) -> dict[str, torch.Tensor]:
         """Full tensors under the Hugging Face names; the same dict and tensors for the whole run."""
 
+    def gather_weights(self) -> None:
+        """Collective: bring ``weights()`` up to date before a checkpoint, for a backend that does not after every
+        step (megatron with ``shard_sync``: the ranks send their own shards, so no full copy is needed per step)."""
+        return None
+
     @abc.abstractmethod
     def save(self, path: str | pathlib.Path, *, version: int, state: dict[str, Any] | None = None,
              lineage: dict[str, Any] | None = None) -> pathlib.Path:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from services.common.logging import get_logger
 from services.trainer.backends.base import TrainerBackend
 
-COLLECTIVE = ("step", "state", "restore")  # every rank takes part; the rest run on rank 0 alone
+COLLECTIVE = ("step", "state", "restore", "gather_weights")  # every rank takes part; the rest on rank 0 alone
 
 
 def control_group(timeout: float) -> dist.ProcessGroup:

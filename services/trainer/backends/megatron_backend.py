@@ -5,8 +5,9 @@ on CPU (gloo) or CUDA/NPU. Everything above the forward — the algorithms, mini
 (``megatron/causal_lm.py``), and the gradient clip reduces over the ranks.
 
 Weights: each rank loads its shards of the HF checkpoint (``megatron/convert.py``, the layout the weight exchange
-uses); after every step rank 0 gathers them into a transformers model of the same checkpoint, whose tensors are
-what ``weights()`` returns and what checkpoints write. Optimizer state stays per rank: a checkpoint holds every
+uses). Rank 0 gathers them into a transformers model of the same checkpoint, whose tensors are what ``weights()``
+returns and what checkpoints write: after every step when rank 0 alone feeds the weight sync, only before a
+checkpoint with ``shard_sync`` (each rank sends its own shards). Optimizer state stays per rank: a checkpoint holds every
 rank's, and resumes at the same tp x dp layout.
 """
 
@@ -43,13 +44,14 @@ class MegatronBackend(TorchBackend):
         self.spec = model_spec(config.model_path)
         self.side = parse_side(m.side(self.world), "megatron")
         self.hf: torch.nn.Module | None = None  # rank 0: the gathered weights, as a transformers model
+        self.gather_every_step = not config.shard_sync
         super().__init__(config)
         from services.trainer.megatron.causal_lm import ParallelGrads
 
         self.grads = ParallelGrads(self.model.gpt, self.model.gpt.config, self.tp_group, self.dp_group)
         self.shards = RowShards(ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), self.device,
                                 group=self.dp_group)
-        self.refresh_weights()
+        self.gather_weights()
 
     def resolve_device(self) -> torch.device:
         return group.rank_device(self.config.device)
@@ -72,10 +74,15 @@ class MegatronBackend(TorchBackend):
     def clip_grads(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         return self.grads.clip(params, max_norm)
 
-    @torch.no_grad()
     def refresh_weights(self) -> None:
+        """After a step: rank 0's copy is what the weight sync sends, unless every rank sends its own shards."""
+        if self.gather_every_step:
+            self.gather_weights()
+
+    @torch.no_grad()
+    def gather_weights(self) -> None:
         """Collective: every rank's shards to rank 0, copied into its transformers model's tensors (the same
-        objects for the whole run: the weight-sync sender holds them)."""
+        objects for the whole run: a weight-sync sender holds them)."""
         from services.trainer.megatron.convert import gather_to_hf, to_hf_module
 
         canonical = gather_to_hf(self.model.gpt.state_dict(), self.spec, self.side)
@@ -109,6 +116,11 @@ class MegatronBackend(TorchBackend):
         from services.trainer.megatron.model import current_parallel
 
         return "megatron", current_parallel().as_dict()
+
+    def trainable_parameters(self) -> int:
+        """The whole model's (rank 0 holds it gathered); a rank's own shards elsewhere."""
+        model = self.hf if self.hf is not None else self.model
+        return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """Rank 0: full tensors under the Hugging Face names; other ranks hold none."""
@@ -152,7 +164,7 @@ class MegatronBackend(TorchBackend):
                 live[name].copy_(tensor)
         self.optimizer.load_state_dict(got["optimizer"][self.rank])
         self.load_schedule_and_rng(got)
-        self.refresh_weights()
+        self.gather_weights()
         return state
 
     def close(self) -> None:

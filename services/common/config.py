@@ -106,7 +106,7 @@ def _merge(dst: dict[str, Any], src: Mapping[str, Any]) -> None:
 def build_config(cls: type[T], values: Mapping[str, Any], where: str = "") -> T:
     """`cls` from a mapping of settings; ConfigError naming the key path below `where` ("" at the top level)."""
     if not isinstance(values, Mapping):
-        raise ConfigError(f"{where or 'config'}", f"expected a mapping, got {values!r}")
+        raise ConfigError(where or "config", f"expected a mapping, got {values!r}")
     return _build(cls, values, where)
 
 
@@ -151,7 +151,7 @@ def _within(where: str, exc: ValueError) -> ConfigError:
     """A config's own check ("algo: unknown preset ...") named from the top: "services.trainer.algo: ..."; a
     ValueError that names no field is the problem of the config at ``where``."""
     found = field_error(exc)
-    inner = found.within(where) if found is not None else FieldError(where or "config", str(exc))
+    inner = found.within(where) if found is not None else FieldError(where, str(exc))
     return ConfigError(inner.field, inner.problem)
 
 

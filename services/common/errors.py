@@ -19,7 +19,7 @@ class FieldError(ValueError):
         self.problem = problem
 
     def __str__(self) -> str:
-        return f"{self.field}: {self.problem}"
+        return f"{self.field}: {self.problem}" if self.field else self.problem  # no field: the run file's top
 
     def __reduce__(self):  # pickles (worker processes) as its two parts, not as one message
         return type(self), (self.field, self.problem)

@@ -22,6 +22,7 @@ def test_within_names_the_field_from_the_top_once():
     assert FieldError("algo", "unknown").within("services.trainer").field == "services.trainer.algo"
     assert FieldError("engine.dtype", "bad").within("services.rollout.engine").field == "services.rollout.engine.dtype"
     assert FieldError("x", "bad").within("").field == "x"
+    assert str(FieldError("", "a run needs a model")) == "a run needs a model"  # a problem of no one field
 
 
 def test_a_foreign_value_error_is_read_for_a_field_only_when_it_names_one():

@@ -230,7 +230,7 @@ def _weight_receiver(config: RolloutConfig, engine: Engine):
     from services.weight_exchange.client import ReceiverAgent
 
     clock = PauseClock(engine, pathlib.Path(config.run_dir) / "rollout_metrics.jsonl")
-    return ReceiverAgent(rank_id=config.rank_id, params=engine.named_parameters(), wx_address=config.wx_address,
+    return ReceiverAgent(rank_id=config.rank_id, **engine.weight_receiver_args(), wx_address=config.wx_address,
                          **client_security(config), on_pause=clock.pause, on_resume=clock.resume,
                          version=engine.version)
 

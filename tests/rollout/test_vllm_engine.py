@@ -9,10 +9,12 @@ MESHRL_TEST_VLLM_URL attaches to a running server instead (started with VLLM_SER
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pathlib
 import time
 
+import grpc
 import pytest
 import torch
 
@@ -132,7 +134,7 @@ def engine(tmp_path_factory):
     from services.rollout.engines.vllm_engine import VLLMConfig
 
     url = os.environ.get("MESHRL_TEST_VLLM_URL", "")
-    # --enforce-eager: no torch.compile warm-up (~30 s to serve here instead of 100-230 s; same numerics)
+    # --enforce-eager: no torch.compile warm-up (~30-80 s to serve here instead of 100-230 s; same numerics)
     config = VLLMConfig(url=url, startup_timeout=600.0, request_timeout=300.0, extra_args=["--enforce-eager"],
                         log_file=str(tmp_path_factory.mktemp("vllm") / "server.log"))
     e = config.build(model_path=str(MODEL), max_batch=8, max_context=1024, dtype="float32", seed=0)
@@ -140,8 +142,8 @@ def engine(tmp_path_factory):
     try:
         e.start()
         print(f"vLLM server ready after {time.monotonic() - started:.1f} s")
-        if url:  # a server of an earlier run may hold other weights: load the checkpoint (the stage starts as it)
-            asyncio.run(_update(e, e.version + 1))
+        if url:  # a server of an earlier run may hold other weights: send it the checkpoint
+            asyncio.run(_send_checkpoint(e))
         yield e
     finally:
         e.stop()
@@ -149,19 +151,71 @@ def engine(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_model():
+    """The checkpoint in HF transformers: the reference outputs, and the trainer side of every update (a sender
+    over its parameters; a test that changes them restores them)."""
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(MODEL), dtype=torch.float32).eval()
 
 
-async def _update(engine, version: int, change=None) -> None:
-    await engine.pause_async()
+@contextlib.asynccontextmanager
+async def weight_exchange(engine, params: dict):
+    """The weight exchange in this test: its service, a sender over `params` (HF names, holding the engine's
+    version) and the engine's receiver (`weight_receiver_args`: vLLM's workers pull). Yields
+    `update(version, change=None, transport="")`: `change(params)` under the sender's update bracket, then a Sync."""
+    from services.common.net import free_port
+    from services.common.rpc import start_server
+    from services.weight_exchange.client import ReceiverAgent, SenderAgent
+    from services.weight_exchange.config import WeightExchangeConfig
+    from services.weight_exchange.server import serve
+
+    address = f"127.0.0.1:{free_port('127.0.0.1')}"
+    stop = asyncio.Event()
+    service = asyncio.create_task(serve(WeightExchangeConfig(grpc_address=address, nats_url="", metrics_port=-1,
+                                                             transfer_timeout=120.0), stop))
+    sender = SenderAgent("trainer-0", params, address, transports=("tcp", "shm"), version=engine.version)
+    receiver = ReceiverAgent("rollout-0", wx_address=address, on_pause=engine.pause_async,
+                             on_resume=engine.resume_async, version=engine.version, **engine.weight_receiver_args())
+    server = await start_server("127.0.0.1:0", [receiver.servicer()])
     try:
-        if change is not None:
-            with torch.no_grad():
-                change(engine.named_parameters())
+        await sender.open()
+        deadline = time.monotonic() + 60
+        while True:  # the service comes up in the background
+            try:
+                await sender.register()
+                break
+            except grpc.aio.AioRpcError:
+                assert time.monotonic() < deadline, "the weight exchange did not answer in 60 s"
+                await asyncio.sleep(0.2)
+        await receiver.register(f"127.0.0.1:{server.port}")
+
+        async def update(version: int, change=None, transport: str = "", verify: bool = True):
+            sender.begin_update()
+            try:
+                if change is not None:
+                    with torch.no_grad():
+                        change(params)
+            finally:
+                sender.end_update(version)
+            return await sender.sync(version, 300.0, transport=transport, verify=verify)
+
+        update.sender = sender  # type: ignore[attr-defined]
+        update.receiver = receiver  # type: ignore[attr-defined]
+        yield update
     finally:
-        await engine.resume_async(version)
+        await sender.close()
+        await receiver.close()
+        await server.stop(0)
+        stop.set()
+        await asyncio.wait_for(service, 60)
+
+
+async def _send_checkpoint(engine) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(MODEL), dtype=torch.float32)
+    async with weight_exchange(engine, dict(model.named_parameters())) as update:
+        await update(engine.version + 1)
 
 
 def _hf_logprobs(model, prompt: list[int], output: list[int]) -> list[float]:
@@ -228,61 +282,88 @@ async def test_abort_stops_a_sequence(engine):
 
 
 @server_test
-async def test_in_place_update_equals_hf_greedy_from_the_new_weights(engine, hf_model):
-    """A transformer layer and the (tied) embedding change: vLLM's output layer follows the embedding."""
+async def test_each_worker_pulls_its_own_bytes_in_place_and_vllm_follows(engine, hf_model):
+    """A transformer layer and the (tied) embedding change on the trainer's side; vLLM's worker pulls exactly what
+    it holds (the fused qkv / gate_up of every layer, packed again after loading), no stage in this process or
+    /dev/shm, and generates what HF generates from the new weights (the output layer follows the embedding)."""
     base = engine.version
-    original = {n: engine.named_parameters()[n].clone() for n in (LAYER, EMBED)}
+    params = dict(hf_model.named_parameters())
+    original = {n: params[n].detach().clone() for n in (LAYER, EMBED)}
+    stages_before = set(pathlib.Path("/dev/shm").glob("meshrl-vllm-stage-*"))
 
-    def change(params) -> None:
-        params[LAYER].mul_(-3.0)
-        params[EMBED].mul_(1.5)
+    def change(p) -> None:
+        p[LAYER].mul_(-3.0)
+        p[EMBED].mul_(1.5)
 
-    def restore(params) -> None:
+    def restore(p) -> None:
         for n, t in original.items():
-            params[n].copy_(t)
+            p[n].copy_(t)
 
-    await _update(engine, base + 1, change)
-    try:
-        seq = (await engine.generate(PROMPT, Sampling(temperature=0.0, max_new_tokens=16)))[0]
-        assert set(seq.versions) == {base + 1}
-        hf_params = dict(hf_model.named_parameters())
-        with torch.no_grad():
-            change(hf_params)
+    async with weight_exchange(engine, params) as update:
+        held = sum(s.num_bytes for s in engine.receiver_shards)
         try:
-            expected = _hf_greedy(hf_model, PROMPT, 16)
-            assert seq.output_ids == expected[:len(seq.output_ids)]
+            reply = await update(base + 1, change, transport="shm")
+            assert (reply.version, reply.num_receivers) == (base + 1, 1)
+            model_bytes = sum(t.numel() * t.element_size() for n, t in params.items() if n != "lm_head.weight")
+            assert reply.bytes_moved == held == model_bytes  # TP = 1: the worker holds the whole model, once
+            assert engine.stage is None and set(pathlib.Path("/dev/shm").glob("meshrl-vllm-stage-*")) == stages_before
+            with pytest.raises(RuntimeError, match="weight_path is worker"):
+                engine.named_parameters()
+            seq = (await engine.generate(PROMPT, Sampling(temperature=0.0, max_new_tokens=16)))[0]
+            assert set(seq.versions) == {base + 1}
+            assert seq.output_ids == _hf_greedy(hf_model, PROMPT, 16)[:len(seq.output_ids)]
             ref = _hf_logprobs(hf_model, PROMPT, seq.output_ids)
             assert max(abs(a - b) for a, b in zip(ref, seq.logprobs, strict=True)) < 1e-3
         finally:
-            with torch.no_grad():
-                restore(hf_params)
-    finally:
-        await _update(engine, base + 2, restore)
+            await update(base + 2, restore, transport="tcp")
     seq = (await engine.generate(PROMPT, Sampling(temperature=1.0, max_new_tokens=12)))[0]
     ref = _hf_logprobs(hf_model, PROMPT, seq.output_ids)  # the original weights are back, output layer included
     assert max(abs(a - b) for a, b in zip(ref, seq.logprobs, strict=True)) < 1e-3
     assert engine.stats.weight_updates >= 2
+    worker = engine.workers[0]
+    packed = {name for name, _, _, is_packed in worker["params"] if is_packed}
+    assert "model.layers.0.self_attn.qkv_proj.weight" in packed and EMBED not in packed
+
+
+@server_test
+async def test_a_failed_pull_leaves_the_old_weights_whole(engine, hf_model):
+    """The senders vanish between registration and the update: the Sync fails naming the sender, every worker
+    drops what it pulled, and vLLM serves the previous version complete (the outputs of the unchanged model)."""
+    base = engine.version
+    params = dict(hf_model.named_parameters())
+    before = _hf_greedy(hf_model, PROMPT, 12)
+    original = params[LAYER].detach().clone()
+    async with weight_exchange(engine, params) as update:
+        await asyncio.to_thread(update.sender.server.stop)  # its data endpoints close; it stays registered
+        try:
+            with pytest.raises(grpc.aio.AioRpcError, match="trainer-0"):
+                await update(base + 1, lambda p: p[LAYER].mul_(-3.0), transport="tcp")
+        finally:
+            with torch.no_grad():
+                params[LAYER].copy_(original)
+    assert engine.version == base and not engine._paused
+    seq = (await engine.generate(PROMPT, Sampling(temperature=0.0, max_new_tokens=12)))[0]
+    assert set(seq.versions) == {base}
+    assert seq.output_ids == before[:len(seq.output_ids)]
 
 
 @server_test
 async def test_versions_across_an_interrupting_update(engine, hf_model):
     base = engine.version
-    original = engine.named_parameters()[LAYER].clone()
+    params = dict(hf_model.named_parameters())
+    original = params[LAYER].detach().clone()
     sampling = Sampling(temperature=0.0, max_new_tokens=48)
-    seqs = [engine.submit(PROMPT, sampling, None), engine.submit(PROMPT[:20], sampling, None)]
-    deadline = time.monotonic() + 120
-    while min(len(s.output_ids) for s in seqs) < 4 and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)
-    interrupted_before = engine.stats.interrupted_sequences
-    await _update(engine, base + 1, lambda p: p[LAYER].mul_(-3.0))
-    try:
-        deadline = time.monotonic() + 300
-        while any(s.status is not Status.FINISHED for s in seqs) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        changed = dict(hf_model.named_parameters())[LAYER]
-        with torch.no_grad():
-            changed.mul_(-3.0)
+    async with weight_exchange(engine, params) as update:
+        seqs = [engine.submit(PROMPT, sampling, None), engine.submit(PROMPT[:20], sampling, None)]
+        deadline = time.monotonic() + 120
+        while min(len(s.output_ids) for s in seqs) < 4 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        interrupted_before = engine.stats.interrupted_sequences
+        await update(base + 1, lambda p: p[LAYER].mul_(-3.0))
         try:
+            deadline = time.monotonic() + 300
+            while any(s.status is not Status.FINISHED for s in seqs) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             for seq, prompt in zip(seqs, (PROMPT, PROMPT[:20]), strict=True):
                 assert seq.status is Status.FINISHED and seq.finish_reason in ("stop", "length")
                 assert len(seq.output_ids) == len(seq.logprobs) == len(seq.versions)
@@ -298,8 +379,33 @@ async def test_versions_across_an_interrupting_update(engine, hf_model):
                     ref = _hf_logprobs(hf_model, head, tail)
                     assert max(abs(a - b) for a, b in zip(ref, seq.logprobs[k:], strict=True)) < 1e-3
         finally:
-            with torch.no_grad():
-                changed.copy_(original)
-    finally:
-        await _update(engine, base + 2, lambda p: p[LAYER].copy_(original))
+            await update(base + 2, lambda p: p[LAYER].copy_(original))
     assert engine.stats.interrupted_sequences > interrupted_before
+
+
+@server_test
+async def test_the_stage_path_reloads_the_whole_model(tmp_path, hf_model):
+    """weight_path: stage (the path before worker receivers, kept for comparison): the receiver writes the /dev/shm
+    stage in this process and vLLM reloads the whole model from it at the resume."""
+    from services.rollout.engines.vllm_engine import VLLMConfig
+
+    config = VLLMConfig(weight_path="stage", startup_timeout=600.0, request_timeout=300.0,
+                        extra_args=["--enforce-eager"], log_file=str(tmp_path / "server.log"))
+    e = config.build(model_path=str(MODEL), max_batch=4, max_context=512, dtype="float32", seed=0)
+    await asyncio.to_thread(e.start)
+    params = dict(hf_model.named_parameters())
+    original = params[LAYER].detach().clone()
+    try:
+        assert e.stage is not None and set(e.named_parameters()) == set(params) - {"lm_head.weight"}
+        async with weight_exchange(e, params) as update:
+            try:
+                reply = await update(1, lambda p: p[LAYER].mul_(-3.0))
+                assert reply.bytes_moved == sum(t.numel() * t.element_size() for t in e.stage.tensors.values())
+                seq = (await e.generate(PROMPT, Sampling(temperature=0.0, max_new_tokens=12)))[0]
+                assert set(seq.versions) == {1}
+                assert seq.output_ids == _hf_greedy(hf_model, PROMPT, 12)[:len(seq.output_ids)]
+            finally:
+                with torch.no_grad():
+                    params[LAYER].copy_(original)
+    finally:
+        e.stop()

@@ -89,6 +89,10 @@ class Engine(Protocol):
         """Tensors under their Hugging Face names that the weight exchange's receiver writes into in place; the
         new weights take effect at `resume_async(version)`."""
 
+    def weight_receiver_args(self) -> dict[str, Any]:
+        """Keyword arguments for the weight exchange's ReceiverAgent: `params` (the tensors above), or, where the
+        engine's own workers pull their shards, `shards`, `parallel`, `framework` and `pull`."""
+
 
 
 

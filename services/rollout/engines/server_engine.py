@@ -37,6 +37,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from typing import Any
 
 import httpx
 
@@ -261,6 +262,9 @@ class ServerEngine:
             raise RuntimeError(f"{self.weights_off} (or the engine is not started): no weights to write into")
         return dict(self.stage.tensors)
 
+    def weight_receiver_args(self) -> dict[str, Any]:
+        return {"params": self.named_parameters()}
+
     def check(self, prompt_ids: list[int], sampling: Sampling, n: int = 1) -> None:
         check_request(prompt_ids, sampling, n, max_context=self._max_context, vocab_size=self.vocab_size)
 
@@ -364,8 +368,12 @@ class ServerEngine:
     async def _resume_server(self) -> None:
         raise NotImplementedError
 
+    def _holds_weights(self) -> bool:
+        """Whether updates can reach the server (the stage exists)."""
+        return self.stage is not None
+
     async def _load_weights(self, version: int) -> None:
-        if self.stage is None:
+        if not self._holds_weights():
             raise RuntimeError(f"{self.weights_off}: cannot load version {version}")
         if not self._paused:
             raise RuntimeError(f"load version {version}: the engine is not paused")
@@ -537,6 +545,14 @@ def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
 def http_get(url: str, timeout: float) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - the engine's own server
         return response.read().decode()
+
+
+def http_post_json(url: str, body: dict, timeout: float) -> Any:
+    """POST `body` as JSON (blocking; before the engine's event loop runs), the reply's JSON."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 - the engine's own server
+        return json.loads(response.read().decode())
 
 
 def _eos_ids(model: pathlib.Path, config: dict) -> tuple[int, ...]:

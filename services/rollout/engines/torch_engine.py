@@ -23,6 +23,7 @@ import asyncio
 import dataclasses
 import threading
 import time
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -127,6 +128,9 @@ class EmbeddedEngine:
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         return dict(self.model.named_parameters())
+
+    def weight_receiver_args(self) -> dict[str, Any]:
+        return {"params": self.named_parameters()}
 
     # submission ----------------------------------------------------------------------------------------
     @property

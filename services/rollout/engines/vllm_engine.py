@@ -16,10 +16,18 @@ it has so far, for the tokens it still lacks: its KV cache is recomputed under t
 carries the new version, as in the embedded engine. A token is only kept when its stream was read before the
 pause, so no token sampled by the old weights is ever tagged with the new version.
 
-Weights. `named_parameters()` are the tensors of a *stage*: one file in /dev/shm holding the model under its
-Hugging Face names (the checkpoint's at start, in the engine's dtype). The weight exchange's receiver writes into
-them in place while the engine is paused; `resume_async(version)` has vLLM's worker map the same file and load it
-(vllm_worker.py). The stage lives on this host: a server attached by URL must run on the same machine for weight
+Weights (`weight_path`). **worker** (the default): vLLM's own workers are the weight exchange's receivers of their
+shards. At start each worker reports what it holds (vllm_worker.py: fused `qkv_proj` / `gate_up_proj`, padded
+vocabulary, its TP rank's slice); `weight_receiver_args()` registers that as the rollout's receiver layout (local
+names `w<rank>/...` when the engine has several workers), so the coordinator plans exactly each worker's bytes. At
+an update the rollout's receiver keeps the control plane (the signed Apply, pause, resume) and hands the plan to
+the workers (`/collective_rpc` -> `meshrl_pull`): each pulls its own bytes from the trainer's senders into buffers,
+and only once every worker has all of its bytes do they become the live weights (`meshrl_commit`; a failed pull is
+discarded everywhere, so vLLM never serves a half-updated model). Nothing in this process holds the weights.
+**stage**: `named_parameters()` are the tensors of one file in /dev/shm holding the model under its Hugging Face
+names (the checkpoint's at start, in the engine's dtype); the receiver writes into them while the engine is paused
+and `resume_async(version)` has vLLM's worker map the same file and reload the whole model from it.
+Either way the weights travel on this host: a server attached by URL must run on the same machine for weight
 updates (`weight_updates: false` turns them off).
 """
 
@@ -34,6 +42,7 @@ import math
 import os
 import pathlib
 import sys
+import time
 import uuid
 
 import torch
@@ -48,10 +57,12 @@ from services.rollout.engines.server_engine import (
     ServerStats,
     engine_args,
     http_get,
+    http_post_json,
     read_json,
 )
 
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
+WEIGHT_PATHS = ("worker", "stage")
 WORKER_EXTENSION = "services.rollout.engines.vllm_worker.WeightUpdateExtension"
 _stage_ids = itertools.count()
 
@@ -73,8 +84,9 @@ class VLLMConfig:
     request_timeout: float = 600.0   # seconds a streamed request may stay silent
     control_timeout: float = 300.0   # seconds for pause / resume / a weight load
     max_connections: int = 512       # HTTP connections to the server (one per sequence in flight)
-    weight_updates: bool = True      # keep a /dev/shm stage of the weights for in-place updates
-    stage_dir: str = "/dev/shm"      # where the stage file lives (shared with the server's worker)
+    weight_updates: bool = True      # take the trainer's weights in place
+    weight_path: str = "worker"      # worker: each vLLM worker pulls its own shard | stage: a /dev/shm stage, reloaded
+    stage_dir: str = "/dev/shm"      # weight_path stage: where the stage file lives (shared with the server's worker)
     log_file: str = ""               # a started server's stdout and stderr; empty: <run_dir>/vllm-server.log or a temp file
 
     def __post_init__(self) -> None:
@@ -90,6 +102,8 @@ class VLLMConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
                 raise FieldError(f"vllm.{name}", f"must be a positive number of seconds, got {value!r}")
+        if self.weight_path not in WEIGHT_PATHS:
+            raise FieldError("vllm.weight_path", f"must be one of {', '.join(WEIGHT_PATHS)}, got {self.weight_path!r}")
         if self.max_connections < 1:
             raise FieldError("vllm.max_connections", f"must be >= 1, got {self.max_connections}")
         if not all(isinstance(a, str) for a in self.extra_args):
@@ -102,6 +116,26 @@ class VLLMConfig:
 
 
 VLLMStats = ServerStats
+
+
+def worker_shards(workers: list[dict], model_path: str, dtype: str) -> tuple[list, dict[str, int]]:
+    """The receiver shards of an engine's workers from what each reported (`meshrl_live_params`), checked against
+    the vLLM layout of the model (LayoutMismatch names each difference); with several workers each local name is
+    prefixed `w<rank>/`, so one receiver holds every worker's shards without overlap."""
+    import dataclasses as dc
+
+    from services.weight_exchange.client.layouts.live import live_layout
+    from services.weight_exchange.client.layouts.model import model_spec
+
+    spec = model_spec(model_path, dtype)
+    shards, parallel = [], {}
+    for w in workers:
+        params = {name: (tuple(shape), dt) for name, shape, dt, _ in w["params"]}
+        layout = live_layout(f"vllm-worker-{w['rank']}", params, spec, "vllm", tp=w["tp"], tp_rank=w["tp_rank"])
+        prefix = f"w{w['rank']}/" if len(workers) > 1 else ""
+        shards += [dc.replace(s, local_name=prefix + s.local_name) for s in layout.shards]
+        parallel = {k: v for k, v in layout.parallel.items() if k != "tp_rank"} | {"workers": len(workers)}
+    return shards, parallel
 
 
 class Stage:
@@ -175,16 +209,29 @@ class VLLMEngine(ServerEngine):
         super().__init__(config, **engine_args)
         self.stage: Stage | None = None
         self.served_model = ""
+        self.workers: list[dict] = []           # weight_path worker: what each vLLM worker reported at start
+        self.receiver_shards: list | None = None
+        self.receiver_parallel: dict[str, int] = {}
+        self._pulled: tuple[int, dict] | None = None  # (version, details) committed into the workers, not resumed yet
+
+    @property
+    def in_workers(self) -> bool:
+        return self.config.weight_updates and self.config.weight_path == "worker"
 
     def start(self) -> None:
         """Start (or attach to) the server and wait until it answers (blocking: call before serving)."""
-        if self.config.weight_updates and self.stage is None:
+        if self.config.weight_updates and not self.in_workers and self.stage is None:
             self.stage = Stage(self.model_path, getattr(torch, self.dtype), self.config.stage_dir)
         if not self.url:
             self._launch()
         self._wait_healthy()
         models = json.loads(http_get(self.url + "/v1/models", 30.0))
         self.served_model = models["data"][0]["id"]
+        if self.in_workers:
+            reply = http_post_json(self.url + "/collective_rpc", {"method": "meshrl_live_params",
+                                   "timeout": self.config.control_timeout}, self.config.control_timeout)
+            self.workers = [json.loads(r) for r in reply["results"]]
+            self.receiver_shards, self.receiver_parallel = worker_shards(self.workers, self.model_path, self.dtype)
         self.log.info("vllm_ready", url=self.url, model=self.served_model, version=self.version,
                       started=self.process is not None)
 
@@ -197,7 +244,7 @@ class VLLMEngine(ServerEngine):
                 "--max-model-len", str(self._max_context), "--max-num-seqs", str(self.max_batch),
                 "--seed", str(self.seed), "--enable-scale-out", "--logprobs-mode", c.logprobs_mode,
                 "--served-model-name", "meshrl-policy", "--disable-uvicorn-access-log"]
-        if self.stage is not None:
+        if self.config.weight_updates:
             args += ["--worker-extension-cls", WORKER_EXTENSION]
         args += list(c.extra_args)
         env = self._server_env()
@@ -217,7 +264,65 @@ class VLLMEngine(ServerEngine):
     async def _resume_server(self) -> None:
         await self._post("/resume", timeout=self.config.control_timeout)
 
+    def _holds_weights(self) -> bool:
+        return self.stage is not None or self.receiver_shards is not None
+
+    def named_parameters(self) -> dict:
+        if self.in_workers:
+            raise RuntimeError("engine.vllm.weight_path is worker: the weights live in vLLM's workers, which pull "
+                               "their own shards (weight_receiver_args)")
+        return super().named_parameters()
+
+    def weight_receiver_args(self) -> dict:
+        """Keyword arguments for the weight exchange's ReceiverAgent: the workers' shards and `pull` (worker), or
+        the stage's tensors."""
+        if not self.in_workers:
+            return {"params": self.named_parameters()}
+        if self.receiver_shards is None:
+            raise RuntimeError("the vLLM engine is not started: its workers have not reported their parameters")
+        return {"params": {}, "shards": self.receiver_shards, "parallel": self.receiver_parallel,
+                "framework": "vllm", "pull": self.pull_into_workers}
+
+    async def pull_into_workers(self, job):
+        """Each worker pulls its planned bytes (phase one), then all commit them (phase two); any failure discards
+        what every worker pulled and raises TransportError (TransferTimeout past the job's deadline) naming it."""
+        from services.weight_exchange.client.sink import PullResult
+        from services.weight_exchange.client.wire import TransferTimeout, TransportError
+
+        if not self._paused:
+            raise RuntimeError(f"pull version {job.version}: the engine is not paused")
+        started = time.monotonic()
+        body = {**job.to_json(), "prefix_by_rank": len(self.workers) > 1}
+        try:
+            reply = await self._worker_rpc("meshrl_pull", json.dumps(body), timeout=job.timeout)
+            pulled = [json.loads(r) for r in reply]
+            committed = [json.loads(r) for r in await self._worker_rpc("meshrl_commit", job.sync_id,
+                                                                         timeout=self.config.control_timeout)]
+        except Exception as exc:  # noqa: BLE001 - every failure abandons the update in every worker
+            with contextlib.suppress(Exception):
+                await self._worker_rpc("meshrl_discard", timeout=30.0)
+            late = time.monotonic() - started >= job.timeout or isinstance(exc, TimeoutError | asyncio.TimeoutError)
+            raise (TransferTimeout if late else TransportError)(f"vLLM workers: {type(exc).__name__}: {exc}") from exc
+        seconds = time.monotonic() - started
+        details = {"workers": len(pulled), "bytes": sum(p["bytes_received"] for p in pulled),
+                   "pull_seconds": round(max(p["seconds"] for p in pulled), 4),
+                   "commit_seconds": round(max(c["seconds"] for c in committed), 4),
+                   "packed": sum(c["packed"] for c in committed), "in_place": sum(c["in_place"] for c in committed)}
+        self._pulled = (job.version, details)
+        checksum = ",".join(p["checksum"] for p in pulled) if job.verify else ""
+        return PullResult(details["bytes"], seconds, checksum)
+
+    async def _worker_rpc(self, method: str, *args: str, timeout: float) -> list:
+        reply = await self._post("/collective_rpc", {"method": method, "args": list(args), "timeout": timeout},
+                                 timeout=timeout + 10.0)
+        return (reply or {}).get("results") or []
+
     async def _send_weights(self, version: int) -> dict:
+        if self.in_workers:
+            if self._pulled is None or self._pulled[0] != version:
+                raise RuntimeError(f"version {version} was not pulled into vLLM's workers")
+            details, self._pulled = self._pulled[1], None
+            return details
         reply = await self._post("/collective_rpc", {
             "method": "meshrl_load_staged", "args": [self.stage.manifest()],
             "timeout": self.config.control_timeout}, timeout=self.config.control_timeout)

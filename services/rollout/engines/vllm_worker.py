@@ -1,23 +1,35 @@
-"""Runs inside vLLM's worker process: in-place weight updates for the rollout's vLLM engine.
+"""Runs inside vLLM's worker processes: in-place weight updates for the rollout's vLLM engine.
 
 vLLM loads this class with `--worker-extension-cls services.rollout.engines.vllm_worker.WeightUpdateExtension`
-(PYTHONPATH at the repository) and mixes it into its worker; the rollout calls its methods through the dev-mode
-route `POST /collective_rpc` (`VLLM_SERVER_DEV_MODE=1`), whose arguments are strings only.
+(PYTHONPATH at the repository) and mixes it into every worker; the rollout calls its methods through the dev-mode
+route `POST /collective_rpc` (`VLLM_SERVER_DEV_MODE=1`), whose arguments are strings only. Every worker runs each
+call and answers for itself (one result per worker, in rank order).
 
-The weights travel through a *stage*: one file in /dev/shm that holds every tensor of the model under its Hugging
-Face name, written by the rollout process (the weight exchange's receiver pulls into it in place) and mapped here
-without a copy. `load_staged(manifest)` hands those tensors to vLLM's in-place reload (`Worker.reload_weights`
-with checkpoint-format weights: the model's own `load_weights`, so fused qkv / gate_up and tied embeddings come out
-right, then each layer's post-load processing again, which on CPU re-packs the oneDNN / sgl GEMM weights that
-vLLM keeps instead of the plain ones), then re-packs the layers that only share a loaded weight (a tied output
-layer: `refresh_cpu_gemms`).
+Two ways for weights to arrive (`engine.vllm.weight_path`):
 
-Only the standard library and torch are imported here: this module runs in vLLM's venv.
+- **worker** (the default): each worker is the weight exchange's data-plane receiver of its own shard.
+  `meshrl_live_params()` reports what the worker holds, as vLLM holds it (fused `qkv_proj` / `gate_up_proj`, padded
+  vocabulary, this TP rank's slice); the rollout registers that as the receiver's layout, so the coordinator plans
+  exactly these bytes. At an update `meshrl_pull(job)` pulls them from the trainer's senders (CMA / shm / tcp, with
+  the coordinator's tickets) straight into the live parameters. A linear layer whose weight vLLM's CPU backend has
+  packed into a private GEMM format after loading (oneDNN / sgl kernels; the plain weight is then empty) never takes
+  raw bytes: its shard lands in a buffer of the layer's logical shape, then the layer's own
+  `quant_method.process_weights_after_loading` packs it again. Nothing is staged for the whole model, no file.
+- **stage**: one file in /dev/shm holds every tensor of the model under its Hugging Face name, written by the
+  rollout process and mapped here without a copy; `meshrl_load_staged(manifest)` hands those tensors to vLLM's
+  in-place reload (`Worker.reload_weights` with checkpoint-format weights, then each layer's post-load processing).
+
+Both end with `refresh_cpu_gemms`: a layer that only shares a loaded weight (the output layer tied to the
+embedding) is packed again too.
+
+Only the standard library and torch are imported at the top: this module runs in vLLM's venv. `meshrl_pull` imports
+the weight exchange's data plane (`services.weight_exchange.client.sink`: torch, msgpack), never its gRPC agents.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import torch
@@ -66,8 +78,114 @@ def refresh_cpu_gemms(model: torch.nn.Module) -> int:
     return count
 
 
+def _packed(module: torch.nn.Module, param: torch.Tensor) -> bool:
+    """A linear layer whose weight the CPU backend moved into a packed copy (and emptied) after loading."""
+    return hasattr(module, "cpu_linear") and param.numel() == 0 and hasattr(module, "output_size_per_partition")
+
+
+def live_params(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, torch.Tensor, tuple[int, ...], bool]]:
+    """name -> (owning module, parameter, logical shape, packed) for every parameter vLLM holds (a tied weight once,
+    under its first name, as `named_parameters()` gives it)."""
+    out = {}
+    for name, param in model.named_parameters():
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name) if module_name else model
+        packed = leaf == "weight" and _packed(module, param)
+        shape = (int(module.output_size_per_partition), int(module.input_size_per_partition)) if packed \
+            else tuple(int(d) for d in param.shape)
+        out[name] = (module, param, shape, packed)
+    return out
+
+
+def covered(transfers, name: str) -> int:
+    """Elements of local tensor `name` that `transfers` write (the planner's regions of one receiver are
+    disjoint)."""
+    total = 0
+    for t in transfers:
+        if t.dst_local == name:
+            n = 1
+            for d in t.dst_region.sizes:
+                n *= int(d)
+            total += n
+    return total
+
+
 class WeightUpdateExtension:
-    """Mixed into vLLM's worker (`self` is the worker: `reload_weights`, `model_runner`)."""
+    """Mixed into vLLM's worker (`self` is the worker: `rank`, `reload_weights`, `model_runner`)."""
+
+    def meshrl_live_params(self) -> str:
+        """What this worker holds, for its receiver layout. JSON {rank, tp, tp_rank, pid, params: [[name, shape,
+        dtype, packed], ...]} (shapes logical: a packed layer's as vLLM loaded it)."""
+        from vllm.distributed import parallel_state as ps
+
+        model = self.model_runner.get_model()
+        params = [[name, list(shape), str(param.dtype).removeprefix("torch."), packed]
+                  for name, (_, param, shape, packed) in live_params(model).items()]
+        return json.dumps({"rank": int(self.rank), "tp": ps.get_tensor_model_parallel_world_size(),
+                           "tp_rank": ps.get_tensor_model_parallel_rank(), "pid": os.getpid(), "params": params})
+
+    def meshrl_pull(self, job_json: str) -> str:
+        """Phase one of an update: pull this worker's planned bytes from the senders into buffers of its
+        parameters' logical shapes (kept until `meshrl_commit` or `meshrl_discard`; the live weights are untouched,
+        so a pull that fails anywhere leaves every worker serving the old version whole). job: PullJob.to_json()
+        plus `prefix_by_rank` (local names `w<rank>/...`: the engine has several workers); only this worker's
+        transfers are taken. Returns JSON {bytes_received, seconds, checksum, tensors}."""
+        import dataclasses
+
+        from services.weight_exchange.client.sink import PullJob
+
+        started = time.perf_counter()
+        raw = json.loads(job_json)
+        job = PullJob.from_json(raw)
+        prefix = f"w{self.rank}/" if raw.get("prefix_by_rank") else ""
+        job.transfers = [dataclasses.replace(t, dst_local=t.dst_local[len(prefix):])
+                         for t in job.transfers if t.dst_local.startswith(prefix)]
+        live = live_params(self.model_runner.get_model())
+        buffers: dict[str, torch.Tensor] = {}
+        for name in sorted({t.dst_local for t in job.transfers}):
+            if name not in live:
+                raise ValueError(f"transfers.dst_local_name: {name!r} is not a parameter of worker {self.rank}")
+            _, param, shape, _ = live[name]
+            buffers[name] = torch.empty(shape, dtype=param.dtype, device=param.device)
+            if covered(job.transfers, name) != buffers[name].numel():
+                # the buffer replaces the whole parameter at the commit: every element must arrive
+                raise ValueError(f"transfers: {name} must be sent whole to worker {self.rank} "
+                                 f"({covered(job.transfers, name)} of {buffers[name].numel()} elements planned)")
+        self._meshrl_pending = None
+        result = job.run(buffers)
+        self._meshrl_pending = (job.sync_id, buffers)
+        return json.dumps({"bytes_received": result.bytes_received, "seconds": time.perf_counter() - started,
+                           "checksum": result.checksum, "tensors": len(buffers)})
+
+    def meshrl_commit(self, sync_id: str) -> str:
+        """Phase two: the pulled buffers become the live weights: copied into plain parameters in place; a packed
+        layer takes its buffer as its weight and is packed again by its own post-load processing. Returns JSON
+        {in_place, packed, seconds}."""
+        started = time.perf_counter()
+        pending = getattr(self, "_meshrl_pending", None)
+        if pending is None or pending[0] != sync_id:
+            raise RuntimeError(f"worker {self.rank}: nothing pulled for update {sync_id}")
+        self._meshrl_pending = None
+        model = self.model_runner.get_model()
+        live = live_params(model)
+        in_place = packed = 0
+        with torch.no_grad():
+            for name, buffer in pending[1].items():
+                module, param, _, is_packed = live[name]
+                if is_packed:
+                    module.weight = torch.nn.Parameter(buffer, requires_grad=False)
+                    module.quant_method.process_weights_after_loading(module)
+                    packed += 1
+                else:
+                    param.data.copy_(buffer)
+                    in_place += 1
+            refresh_cpu_gemms(model)
+        return json.dumps({"in_place": in_place, "packed": packed, "seconds": time.perf_counter() - started})
+
+    def meshrl_discard(self) -> str:
+        """Drop what a pull left for a commit (the update was abandoned)."""
+        self._meshrl_pending = None
+        return "{}"
 
     def meshrl_load_staged(self, manifest_json: str) -> str:
         """Load every tensor of the stage into the live model, in place. Returns JSON {tensors, bytes, seconds}."""

@@ -2,12 +2,23 @@
 
 `SenderAgent` (trainer ranks) and `ReceiverAgent` (inference ranks), rank layouts, transports; `live_layout`
 (a receiver's layout from its live parameters, see `layouts/live.py`) and `receiver_views`.
+
+The names are imported on first use: an inference engine's worker (vLLM's, in its own venv without gRPC's
+health package) imports only the data plane (`sink`, `transports`) and pulls its own bytes.
 """
 
-from services.weight_exchange.client.agents import ReceiverAgent, SenderAgent
-from services.weight_exchange.client.layout import RankLayout, Shard
-from services.weight_exchange.client.layouts.live import LayoutMismatch, live_layout, receiver_views
-from services.weight_exchange.client.regions import Region
+import importlib
+from typing import Any
 
-__all__ = ["LayoutMismatch", "RankLayout", "ReceiverAgent", "Region", "SenderAgent", "Shard", "live_layout",
-           "receiver_views"]
+_EXPORTS = {
+    "ReceiverAgent": "agents", "SenderAgent": "agents", "RankLayout": "layout", "Shard": "layout",
+    "LayoutMismatch": "layouts.live", "live_layout": "layouts.live", "receiver_views": "layouts.live",
+    "Region": "regions",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

@@ -20,7 +20,7 @@ from services.common.runtime import Backoff, sleep_or_stop
 from services.weight_exchange.client import tickets
 from services.weight_exchange.client.layout import POST_LOAD_TRANSFORMED, RECEIVER, SENDER, RankLayout, Shard
 from services.weight_exchange.client.layouts.hf import dedupe_tied, hf_full_shards
-from services.weight_exchange.client.sink import pull_all
+from services.weight_exchange.client.sink import PullJob, PullResult
 from services.weight_exchange.client.source import SenderServer
 from services.weight_exchange.client.transfer import Transfer
 from services.weight_exchange.client.wire import TransferTimeout, TransportError, torch_dtype
@@ -186,6 +186,11 @@ class ReceiverAgent(_Registrant):
     `load_weights` (e.g. vLLM's `model.load_weights`): the engine rearranges its weights after loading in a private
     format, so no raw bytes may be written into them. The layout is then registered as post-load transformed; each
     update pulls whole checkpoint tensors into staging buffers and calls `load_weights([(canonical name, tensor)])`.
+
+    `pull` (with `shards`, no `params`): the bytes land in another process, e.g. an engine's own workers, each
+    pulling its shard into its live parameters. This agent then keeps the control plane (registration, the signed
+    Apply, pause and resume) and hands each update's `PullJob` to `pull`, which returns once every byte landed
+    (TransportError / TransferTimeout / ValueError as a local pull raises them).
     """
 
     def __init__(self, rank_id: str, params: Mapping[str, torch.Tensor], wx_address: str, token: str = "", *,
@@ -194,7 +199,10 @@ class ReceiverAgent(_Registrant):
                  shards: Sequence[Shard] | None = None, framework: str = "embedded",
                  parallel: Mapping[str, int] | None = None, host: str = "127.0.0.1", version: int = 0,
                  tls: Tls | None = None,
-                 load_weights: Callable[[list[tuple[str, torch.Tensor]]], Any] | None = None) -> None:
+                 load_weights: Callable[[list[tuple[str, torch.Tensor]]], Any] | None = None,
+                 pull: Callable[[PullJob], Awaitable[PullResult]] | None = None) -> None:
+        if pull is not None and (params or shards is None or load_weights is not None):
+            raise FieldError("pull", "a receiver pulling elsewhere takes its shards, no params and no load_weights")
         self.rank_id = rank_id
         self.key = tickets.new_key()       # an Apply is taken only when signed with it by the coordinator
         self._seen_syncs: collections.OrderedDict[str, None] = collections.OrderedDict()  # no request twice
@@ -203,6 +211,7 @@ class ReceiverAgent(_Registrant):
         self.framework = framework
         self.parallel = dict(parallel or {})
         self._load_weights = load_weights
+        self._pull = pull
         if load_weights is not None:
             self.parallel[POST_LOAD_TRANSFORMED] = 1
         self.host = host
@@ -282,11 +291,14 @@ class ReceiverAgent(_Registrant):
                 log.warning("pause_failed", rank_id=self.rank_id, version=request.version, error=str(exc))
                 raise _ApplyFailed(grpc.StatusCode.UNAVAILABLE, f"{self.rank_id}: pause failed: {exc}") from exc
             try:
-                targets = self._targets(transfers)
-                result = await asyncio.to_thread(
-                    pull_all, self.rank_id, targets, transfers, dict(request.sender_endpoints),
-                    request.transport, request.timeout_seconds, verify=request.verify, version=request.version,
-                    tickets=dict(request.sender_tickets), sync_id=request.sync_id)
+                job = PullJob(self.rank_id, transfers, dict(request.sender_endpoints), request.transport,
+                              request.timeout_seconds, request.verify, request.version,
+                              dict(request.sender_tickets), request.sync_id)
+                if self._pull is not None:
+                    result = await self._pull(job)
+                else:
+                    targets = self._targets(transfers)
+                    result = await asyncio.to_thread(job.run, targets)
                 if self._load_weights is not None:
                     try:
                         await asyncio.to_thread(self._load_weights, sorted(targets.items()))

@@ -43,6 +43,40 @@ class TransferLike(Protocol):
 
 
 @dataclasses.dataclass
+class PullJob:
+    """One update's data-plane work for a receiver, as the coordinator's ApplyRequest gives it: what a receiver
+    whose bytes land in another process (an engine's own workers) hands over to be pulled there."""
+
+    rank_id: str
+    transfers: list[Any]            # Transfer (transfer.py)
+    endpoints: dict[str, str]       # sender rank -> endpoint of `transport`
+    transport: str
+    timeout: float                  # seconds for the whole pull
+    verify: bool
+    version: int
+    tickets: dict[str, str]         # sender rank -> the coordinator's ticket
+    sync_id: str
+
+    def run(self, tensors: Mapping[str, torch.Tensor]) -> PullResult:
+        """Pull into `tensors` here (pull_all)."""
+        return pull_all(self.rank_id, tensors, self.transfers, self.endpoints, self.transport, self.timeout,
+                        verify=self.verify, version=self.version, tickets=self.tickets, sync_id=self.sync_id)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank_id": self.rank_id, "transfers": [t.to_row() for t in self.transfers],
+                "endpoints": self.endpoints, "transport": self.transport, "timeout": self.timeout,
+                "verify": self.verify, "version": self.version, "tickets": self.tickets, "sync_id": self.sync_id}
+
+    @classmethod
+    def from_json(cls, job: Mapping[str, Any]) -> PullJob:
+        from services.weight_exchange.client.transfer import Transfer
+
+        return cls(job["rank_id"], [Transfer.from_row(r) for r in job["transfers"]], dict(job["endpoints"]),
+                   job["transport"], float(job["timeout"]), bool(job["verify"]), int(job["version"]),
+                   dict(job["tickets"]), job["sync_id"])
+
+
+@dataclasses.dataclass
 class PullResult:
     bytes_received: int
     seconds: float

@@ -33,6 +33,18 @@ class Transfer:
             dst_local_name=self.dst_local, dst_region=region_to_proto(self.dst_region),
             num_bytes=self.num_bytes, bucket=self.bucket, dtype=self.dtype)
 
+    def to_row(self) -> list:
+        """A JSON-able row (a worker process that takes plain strings, e.g. through vLLM's /collective_rpc)."""
+        return [self.src, self.dst, self.canonical_name, self.src_local, list(self.src_region.offsets),
+                list(self.src_region.sizes), self.dst_local, list(self.dst_region.offsets),
+                list(self.dst_region.sizes), self.num_bytes, self.bucket, self.dtype]
+
+    @classmethod
+    def from_row(cls, row: list) -> Transfer:
+        src, dst, name, src_local, so, ss, dst_local, do, ds, num_bytes, bucket, dtype = row
+        return cls(src, dst, name, src_local, Region(tuple(so), tuple(ss)), dst_local, Region(tuple(do), tuple(ds)),
+                   int(num_bytes), int(bucket), dtype)
+
     @classmethod
     def from_proto(cls, pb: wx_pb2.Transfer) -> Transfer:
         return cls(pb.src_rank_id, pb.dst_rank_id, pb.canonical_name, pb.src_local_name,

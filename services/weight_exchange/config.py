@@ -17,6 +17,8 @@ class WeightExchangeConfig(ServiceConfig):
     transfer_timeout: float = 120.0     # per receiver: every transfer of one update
     control_timeout: float = 60.0       # per receiver: pause + resume on top of the transfers
     verify: bool = False                # checksum pass after every update (a Sync may also ask for it)
+    delta: bool = False                 # steady-state updates send only the elements that changed (each checked)
+    full_every: int = 10                # with delta: a full update at least every this many updates per receiver
     agent_token: str = ""               # bearer token for the receivers' agents (default: auth_token)
     publish_events: bool = True         # VERSION_KIND_DEPLOYED on events.version after each successful Sync
     rank_ttl: float = 30.0              # a rank with no registration (heartbeat) for this long is dropped; <= 0: never
@@ -30,6 +32,8 @@ class WeightExchangeConfig(ServiceConfig):
         check_lease_seconds(self.lease_seconds)
         if self.default_transport not in KNOWN:
             raise FieldError("default_transport", f"unknown {self.default_transport!r} (known: {', '.join(KNOWN)})")
+        if self.full_every < 1:
+            raise FieldError("full_every", f"must be >= 1, got {self.full_every}")
         if self.bucket_bytes <= 0:
             raise FieldError("bucket_bytes", "must be positive")
         if self.transfer_timeout <= 0 or self.control_timeout <= 0:

@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from services.common.contracts import weight_exchange_pb2 as wx_pb2
 from services.common.errors import FieldError
@@ -58,13 +59,18 @@ class SyncResult:
     bytes_moved: int
     num_receivers: int
     plan_hash: str
+    delta: bool = False     # every receiver took a delta
+    bytes_full: int = 0     # the receivers' bytes in their dtypes (what a full update moves at least)
 
 
 class Coordinator:
     def __init__(self, *, apply: ApplyFn, on_deployed: Callable[[int], Awaitable[None]] | None = None,
                  bucket_bytes: int = 64 << 20, default_transport: str = "tcp", transfer_timeout: float = 120.0,
                  control_timeout: float = 60.0, verify: bool = False, rank_ttl: float = 30.0,
-                 catch_up_delay: float = 0.5, clock: Callable[[], float] = time.monotonic) -> None:
+                 catch_up_delay: float = 0.5, clock: Callable[[], float] = time.monotonic, delta: bool = False,
+                 full_every: int = 10) -> None:
+        if full_every < 1:
+            raise FieldError("full_every", f"must be >= 1, got {full_every}")
         self.apply = apply
         self.on_deployed = on_deployed
         self.bucket_bytes = bucket_bytes
@@ -75,6 +81,11 @@ class Coordinator:
         self.rank_ttl = rank_ttl              # <= 0: ranks never expire
         self.catch_up_delay = catch_up_delay  # before a catch-up's first try; doubles after each failed one
         self.clock = clock
+        self.delta = delta                    # steady-state updates send only what changed (delta.py)
+        self.full_every = full_every          # with delta: a full update at least every this many updates
+        # receiver -> deltas it took since its last full update; absent: its next update is full (new, restarted,
+        # failed, or a sender restarted and lost what it served)
+        self._since_full: dict[str, int] = {}
         self.ranks: dict[str, RankLayout] = {}
         self.deployed_version = -1
         self.syncs = 0
@@ -131,6 +142,9 @@ class Coordinator:
             self._keys[layout.rank_id] = secret
         if old is None or not old.same_except_version(layout):
             self._plan = None
+            if layout.role == SENDER:
+                self._since_full.clear()
+            self._since_full.pop(layout.rank_id, None)
             log.info("registered", rank_id=layout.rank_id, role=layout.role, framework=layout.framework,
                      shards=len(layout.shards), bytes=layout.num_bytes, version=layout.version,
                      replaced=old is not None)
@@ -217,7 +231,7 @@ class Coordinator:
             raise SyncError("FAILED_PRECONDITION", "no sender is registered")
         # a version below a receiver's is deployed too: a trainer resumed from an older checkpoint is the
         # lineage now (the senders refuse to serve any version other than the one they hold)
-        p, results = await self._update(receivers, version, name, verify)
+        p, results, delta = await self._update(receivers, version, name, verify)
         seconds = time.monotonic() - start
         moved = sum(res.bytes_received for res in results)
         self.deployed_version = version
@@ -229,40 +243,41 @@ class Coordinator:
                  plan_hash=p.plan_hash, transport=name)
         if self.on_deployed is not None:
             await self.on_deployed(version)
-        return SyncResult(version, seconds, moved, len(receivers), p.plan_hash)
+        return SyncResult(version, seconds, moved, len(receivers), p.plan_hash, delta,
+                          sum(res.bytes_full for res in results))
 
-    async def _update(self, receivers: list[RankLayout], version: int, name: str,
-                      verify: bool) -> tuple[Plan, list[wx_pb2.ApplyReply]]:
-        """Every receiver's Apply in parallel; SyncError naming each failed receiver (and, from it, the sender)."""
+    async def _update(self, receivers: list[RankLayout], version: int, name: str, verify: bool,
+                      allow_delta: bool = True) -> tuple[Plan, list[wx_pb2.ApplyReply], bool]:
+        """Every receiver's Apply in parallel; SyncError naming each failed receiver (and, from it, the sender).
+        A receiver whose delta failed gets a full update at once, within the same call. The bool: every receiver
+        took a delta."""
         try:
             p = self.current_plan()
         except PlanError as exc:
             raise SyncError("FAILED_PRECONDITION", f"plan: {exc}") from exc
         if name in ("shm", "shm-ring"):
             self._check_same_host(p)
-        endpoints = {s.rank_id: s.endpoints[name] for s in self.senders}
         timeout = self.transfer_timeout + self.control_timeout
-        sync_id = tickets.new_sync_id()
-        calls = []
-        for r in receivers:
-            mine = self._by_receiver.get(r.rank_id, [])
-            srcs = {t.src_rank_id for t in mine}
-            request = wx_pb2.ApplyRequest(version=version, transport=name, transfers=mine,
-                                          sender_endpoints={s: endpoints[s] for s in srcs},
-                                          timeout_seconds=self.transfer_timeout, verify=verify,
-                                          plan_hash=p.plan_hash, sync_id=sync_id,
-                                          sender_tickets={s: tickets.ticket(self._keys[s], r.rank_id, version, sync_id)
-                                                          for s in srcs if s in self._keys})
-            if r.rank_id in self._keys:
-                tickets.sign_apply(self._keys[r.rank_id], request)
-            calls.append(asyncio.wait_for(self.apply(r, request, timeout), timeout + GRACE))
-        results = await asyncio.gather(*calls, return_exceptions=True)
+        deltas = {r.rank_id: allow_delta and self._delta_due(r, version) for r in receivers}
+        results = await self._apply_all(p, receivers, version, name, verify, deltas, timeout)
+        retry = [r for r, res in zip(receivers, results, strict=True)
+                 if isinstance(res, BaseException) and deltas[r.rank_id]]
+        if retry:
+            log.warning("delta_failed", version=version, receivers=[r.rank_id for r in retry],
+                        error="; ".join(str(res) for res in results if isinstance(res, BaseException))[:500])
+            for r in retry:
+                deltas[r.rank_id] = False
+            again = await self._apply_all(p, retry, version, name, verify, deltas, timeout)
+            by_rank = {r.rank_id: res for r, res in zip(retry, again, strict=True)}
+            results = [by_rank.get(r.rank_id, res) for r, res in zip(receivers, results, strict=True)]
         failures = []
         for r, res in zip(receivers, results, strict=True):
             if isinstance(res, BaseException):
                 failures.append((r.rank_id, res))
+                self._since_full.pop(r.rank_id, None)   # whatever landed, the next update is full
             else:
                 self._applied(r, version)
+                self._since_full[r.rank_id] = self._since_full.get(r.rank_id, 0) + 1 if deltas[r.rank_id] else 0
         if failures:
             codes = {_code(exc) for _, exc in failures}
             code = "DEADLINE_EXCEEDED" if codes == {"DEADLINE_EXCEEDED"} else "ABORTED"
@@ -274,7 +289,35 @@ class Coordinator:
         for s in self.senders:
             if s.version >= 0:      # tracked: it just served `version`
                 s.version = max(s.version, version)
-        return p, results  # type: ignore[return-value]
+        return p, results, all(deltas.values())  # type: ignore[return-value]
+
+    def _delta_due(self, receiver: RankLayout, version: int) -> bool:
+        """A delta from the version the receiver holds: deltas on, it took a full update since it (re)registered,
+        fewer than `full_every - 1` deltas since, and it holds an older version."""
+        since = self._since_full.get(receiver.rank_id)
+        return (self.delta and since is not None and since < self.full_every - 1
+                and 0 <= receiver.version != version)
+
+    async def _apply_all(self, p: Plan, receivers: list[RankLayout], version: int, name: str, verify: bool,
+                         deltas: dict[str, bool], timeout: float) -> list[Any]:
+        endpoints = {s.rank_id: s.endpoints[name] for s in self.senders}
+        sync_id = tickets.new_sync_id()
+        calls = []
+        for r in receivers:
+            mine = self._by_receiver.get(r.rank_id, [])
+            srcs = {t.src_rank_id for t in mine}
+            request = wx_pb2.ApplyRequest(version=version, transport=name, transfers=mine,
+                                          sender_endpoints={s: endpoints[s] for s in srcs},
+                                          timeout_seconds=self.transfer_timeout, verify=verify,
+                                          plan_hash=p.plan_hash, sync_id=sync_id,
+                                          sender_tickets={s: tickets.ticket(self._keys[s], r.rank_id, version, sync_id)
+                                                          for s in srcs if s in self._keys},
+                                          delta=deltas[r.rank_id], delta_base_version=r.version if deltas[r.rank_id]
+                                          else 0, track_delta=self.delta)
+            if r.rank_id in self._keys:
+                tickets.sign_apply(self._keys[r.rank_id], request)
+            calls.append(asyncio.wait_for(self.apply(r, request, timeout), timeout + GRACE))
+        return await asyncio.gather(*calls, return_exceptions=True)
 
     def _applied(self, receiver: RankLayout, version: int) -> None:
         current = self.ranks.get(receiver.rank_id)
@@ -315,7 +358,7 @@ class Coordinator:
             return False
         try:
             name = self._catch_up_transport()
-            await self._update([receiver], target, name, self.verify)
+            await self._update([receiver], target, name, self.verify, allow_delta=False)
         except (SyncError, ValueError) as exc:
             log.warning("catch_up_failed", rank_id=rank_id, version=target, error=str(exc))
             return False

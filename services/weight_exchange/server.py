@@ -132,7 +132,8 @@ class WeightExchangeServicer(wx_grpc.WeightExchangeServiceServicer):
         except ValueError as exc:
             await invalid_argument(context, field_error(exc) or FieldError("request", str(exc)))
         return wx_pb2.SyncReply(version=r.version, seconds=r.seconds, bytes_moved=r.bytes_moved,
-                                num_receivers=r.num_receivers, plan_hash=r.plan_hash)
+                                num_receivers=r.num_receivers, plan_hash=r.plan_hash, delta=r.delta,
+                                bytes_full=r.bytes_full)
 
     async def Status(self, request, context):  # noqa: N802
         c = self.coordinator
@@ -163,7 +164,8 @@ async def serve(config: WeightExchangeConfig, stop: asyncio.Event) -> None:
         coordinator = Coordinator(apply=agents.apply, on_deployed=deployed, bucket_bytes=config.bucket_bytes,
                                   default_transport=config.default_transport,
                                   transfer_timeout=config.transfer_timeout, control_timeout=config.control_timeout,
-                                  verify=config.verify, rank_ttl=config.rank_ttl)
+                                  verify=config.verify, rank_ttl=config.rank_ttl, delta=config.delta,
+                                  full_every=config.full_every)
         runtime.on_close(coordinator.close)
         roles = {SENDER: tuple(config.sender_identities), RECEIVER: tuple(config.receiver_identities)}
         servicer = Servicer(wx_grpc.add_WeightExchangeServiceServicer_to_server, WeightExchangeServicer(

@@ -9,7 +9,6 @@ MESHRL_TEST_VLLM_URL attaches to a running server instead (started with VLLM_SER
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import pathlib
 import time
@@ -158,64 +157,20 @@ def hf_model():
     return AutoModelForCausalLM.from_pretrained(str(MODEL), dtype=torch.float32).eval()
 
 
-@contextlib.asynccontextmanager
-async def weight_exchange(engine, params: dict):
+def weight_exchange(engine, params: dict, **kwargs):
     """The weight exchange in this test: its service, a sender over `params` (HF names, holding the engine's
-    version) and the engine's receiver (`weight_receiver_args`: vLLM's workers pull). Yields
-    `update(version, change=None, transport="")`: `change(params)` under the sender's update bracket, then a Sync."""
-    from services.common.net import free_port
-    from services.common.rpc import start_server
-    from services.weight_exchange.client import ReceiverAgent, SenderAgent
-    from services.weight_exchange.config import WeightExchangeConfig
-    from services.weight_exchange.server import serve
+    version) and the engine's receiver (`weight_receiver_args`: vLLM's workers pull)."""
+    from services.weight_exchange.bench.local import engine_receiver, local_exchange
 
-    address = f"127.0.0.1:{free_port('127.0.0.1')}"
-    stop = asyncio.Event()
-    service = asyncio.create_task(serve(WeightExchangeConfig(grpc_address=address, nats_url="", metrics_port=-1,
-                                                             transfer_timeout=120.0), stop))
-    sender = SenderAgent("trainer-0", params, address, transports=("tcp", "shm"), version=engine.version)
-    receiver = ReceiverAgent("rollout-0", wx_address=address, on_pause=engine.pause_async,
-                             on_resume=engine.resume_async, version=engine.version, **engine.weight_receiver_args())
-    server = await start_server("127.0.0.1:0", [receiver.servicer()])
-    try:
-        await sender.open()
-        deadline = time.monotonic() + 60
-        while True:  # the service comes up in the background
-            try:
-                await sender.register()
-                break
-            except grpc.aio.AioRpcError:
-                assert time.monotonic() < deadline, "the weight exchange did not answer in 60 s"
-                await asyncio.sleep(0.2)
-        await receiver.register(f"127.0.0.1:{server.port}")
-
-        async def update(version: int, change=None, transport: str = "", verify: bool = True):
-            sender.begin_update()
-            try:
-                if change is not None:
-                    with torch.no_grad():
-                        change(params)
-            finally:
-                sender.end_update(version)
-            return await sender.sync(version, 300.0, transport=transport, verify=verify)
-
-        update.sender = sender  # type: ignore[attr-defined]
-        update.receiver = receiver  # type: ignore[attr-defined]
-        yield update
-    finally:
-        await sender.close()
-        await receiver.close()
-        await server.stop(0)
-        stop.set()
-        await asyncio.wait_for(service, 60)
+    return local_exchange(params, engine_receiver(engine), **kwargs)
 
 
 async def _send_checkpoint(engine) -> None:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(MODEL), dtype=torch.float32)
-    async with weight_exchange(engine, dict(model.named_parameters())) as update:
-        await update(engine.version + 1)
+    async with weight_exchange(engine, dict(model.named_parameters())) as wx:
+        await wx.update(engine.version + 1)
 
 
 def _hf_logprobs(model, prompt: list[int], output: list[int]) -> list[float]:
@@ -299,10 +254,10 @@ async def test_each_worker_pulls_its_own_bytes_in_place_and_vllm_follows(engine,
         for n, t in original.items():
             p[n].copy_(t)
 
-    async with weight_exchange(engine, params) as update:
+    async with weight_exchange(engine, params) as wx:
         held = sum(s.num_bytes for s in engine.receiver_shards)
         try:
-            reply = await update(base + 1, change, transport="shm")
+            reply = await wx.update(base + 1, change, transport="shm")
             assert (reply.version, reply.num_receivers) == (base + 1, 1)
             model_bytes = sum(t.numel() * t.element_size() for n, t in params.items() if n != "lm_head.weight")
             assert reply.bytes_moved == held == model_bytes  # TP = 1: the worker holds the whole model, once
@@ -315,7 +270,7 @@ async def test_each_worker_pulls_its_own_bytes_in_place_and_vllm_follows(engine,
             ref = _hf_logprobs(hf_model, PROMPT, seq.output_ids)
             assert max(abs(a - b) for a, b in zip(ref, seq.logprobs, strict=True)) < 1e-3
         finally:
-            await update(base + 2, restore, transport="tcp")
+            await wx.update(base + 2, restore, transport="tcp")
     seq = (await engine.generate(PROMPT, Sampling(temperature=1.0, max_new_tokens=12)))[0]
     ref = _hf_logprobs(hf_model, PROMPT, seq.output_ids)  # the original weights are back, output layer included
     assert max(abs(a - b) for a, b in zip(ref, seq.logprobs, strict=True)) < 1e-3
@@ -326,6 +281,32 @@ async def test_each_worker_pulls_its_own_bytes_in_place_and_vllm_follows(engine,
 
 
 @server_test
+async def test_delta_updates_send_only_what_changed_into_the_workers(engine, hf_model):
+    """With deltas on: the first update is full (the receiver is new) and keeps the packed layers' plain values in
+    the worker; then one layer changes and only its bytes move (every one of its fp32 elements changed, so the
+    region goes whole), the rest as empty deltas; vLLM then generates what HF does."""
+    base = engine.version
+    params = dict(hf_model.named_parameters())
+    original = params[LAYER].detach().clone()
+    model_bytes = sum(t.numel() * t.element_size() for n, t in params.items() if n != "lm_head.weight")
+    async with weight_exchange(engine, params, delta=True) as wx:
+        try:
+            first = await wx.update(base + 1)
+            assert not first.delta and first.bytes_moved == model_bytes
+            reply = await wx.update(base + 2, lambda p: p[LAYER].mul_(-3.0))
+            assert reply.delta and reply.bytes_full == model_bytes
+            assert reply.bytes_moved == original.numel() * 4     # LAYER whole; nothing else changed
+            seq = (await engine.generate(PROMPT, Sampling(temperature=0.0, max_new_tokens=12)))[0]
+            assert set(seq.versions) == {base + 2}
+            assert seq.output_ids == _hf_greedy(hf_model, PROMPT, 12)[:len(seq.output_ids)]
+        finally:
+            restored = await wx.update(base + 3, lambda p: p[LAYER].copy_(original))
+    assert restored.delta and restored.bytes_moved == original.numel() * 4
+    seq = (await engine.generate(PROMPT, Sampling(temperature=0.0, max_new_tokens=12)))[0]
+    assert seq.output_ids == _hf_greedy(hf_model, PROMPT, 12)[:len(seq.output_ids)]
+
+
+@server_test
 async def test_a_failed_pull_leaves_the_old_weights_whole(engine, hf_model):
     """The senders vanish between registration and the update: the Sync fails naming the sender, every worker
     drops what it pulled, and vLLM serves the previous version complete (the outputs of the unchanged model)."""
@@ -333,11 +314,11 @@ async def test_a_failed_pull_leaves_the_old_weights_whole(engine, hf_model):
     params = dict(hf_model.named_parameters())
     before = _hf_greedy(hf_model, PROMPT, 12)
     original = params[LAYER].detach().clone()
-    async with weight_exchange(engine, params) as update:
-        await asyncio.to_thread(update.sender.server.stop)  # its data endpoints close; it stays registered
+    async with weight_exchange(engine, params) as wx:
+        await asyncio.to_thread(wx.sender.server.stop)  # its data endpoints close; it stays registered
         try:
             with pytest.raises(grpc.aio.AioRpcError, match="trainer-0"):
-                await update(base + 1, lambda p: p[LAYER].mul_(-3.0), transport="tcp")
+                await wx.update(base + 1, lambda p: p[LAYER].mul_(-3.0), transport="tcp")
         finally:
             with torch.no_grad():
                 params[LAYER].copy_(original)
@@ -348,18 +329,53 @@ async def test_a_failed_pull_leaves_the_old_weights_whole(engine, hf_model):
 
 
 @server_test
+async def test_a_stalled_sender_is_named_within_the_deadline(engine, hf_model, monkeypatch):
+    """The sender accepts the workers' pull and then sends nothing: the update fails once its 8 s transfer deadline
+    passes, naming the link and the tensor, and vLLM keeps serving the previous version whole."""
+    import threading
+
+    from services.weight_exchange.client.transports.tcp import TcpTransport
+
+    released = threading.Event()
+    serve = TcpTransport.serve
+
+    def stalled(self, conn, request, views, server):
+        released.wait(120)          # the fault: a sender that stops sending (until the test ends)
+        return serve(self, conn, request, views, server)
+
+    monkeypatch.setattr(TcpTransport, "serve", stalled)
+    base = engine.version
+    params = dict(hf_model.named_parameters())
+    before = _hf_greedy(hf_model, PROMPT, 12)
+    try:
+        async with weight_exchange(engine, params, timeout=8.0) as wx:
+            started = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await wx.update(base + 1, transport="tcp")
+            took = time.monotonic() - started
+    finally:
+        released.set()
+    assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, failed.value.details()
+    assert "trainer-0 -> rollout-0" in failed.value.details() and "timed out" in failed.value.details()
+    assert 8.0 <= took < 60.0, took
+    assert engine.version == base
+    seq = (await engine.generate(PROMPT, Sampling(temperature=0.0, max_new_tokens=12)))[0]
+    assert set(seq.versions) == {base} and seq.output_ids == before[:len(seq.output_ids)]
+
+
+@server_test
 async def test_versions_across_an_interrupting_update(engine, hf_model):
     base = engine.version
     params = dict(hf_model.named_parameters())
     original = params[LAYER].detach().clone()
     sampling = Sampling(temperature=0.0, max_new_tokens=48)
-    async with weight_exchange(engine, params) as update:
+    async with weight_exchange(engine, params) as wx:
         seqs = [engine.submit(PROMPT, sampling, None), engine.submit(PROMPT[:20], sampling, None)]
         deadline = time.monotonic() + 120
         while min(len(s.output_ids) for s in seqs) < 4 and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         interrupted_before = engine.stats.interrupted_sequences
-        await update(base + 1, lambda p: p[LAYER].mul_(-3.0))
+        await wx.update(base + 1, lambda p: p[LAYER].mul_(-3.0))
         try:
             deadline = time.monotonic() + 300
             while any(s.status is not Status.FINISHED for s in seqs) and time.monotonic() < deadline:
@@ -379,7 +395,7 @@ async def test_versions_across_an_interrupting_update(engine, hf_model):
                     ref = _hf_logprobs(hf_model, head, tail)
                     assert max(abs(a - b) for a, b in zip(ref, seq.logprobs[k:], strict=True)) < 1e-3
         finally:
-            await update(base + 2, lambda p: p[LAYER].copy_(original))
+            await wx.update(base + 2, lambda p: p[LAYER].copy_(original))
     assert engine.stats.interrupted_sequences > interrupted_before
 
 
@@ -397,9 +413,9 @@ async def test_the_stage_path_reloads_the_whole_model(tmp_path, hf_model):
     original = params[LAYER].detach().clone()
     try:
         assert e.stage is not None and set(e.named_parameters()) == set(params) - {"lm_head.weight"}
-        async with weight_exchange(e, params) as update:
+        async with weight_exchange(e, params) as wx:
             try:
-                reply = await update(1, lambda p: p[LAYER].mul_(-3.0))
+                reply = await wx.update(1, lambda p: p[LAYER].mul_(-3.0))
                 assert reply.bytes_moved == sum(t.numel() * t.element_size() for t in e.stage.tensors.values())
                 seq = (await e.generate(PROMPT, Sampling(temperature=0.0, max_new_tokens=12)))[0]
                 assert set(seq.versions) == {1}

@@ -294,7 +294,8 @@ class VLLMEngine(ServerEngine):
         started = time.monotonic()
         body = {**job.to_json(), "prefix_by_rank": len(self.workers) > 1}
         try:
-            reply = await self._worker_rpc("meshrl_pull", json.dumps(body), timeout=job.timeout)
+            # vLLM's own RPC deadline after the workers' (theirs names the link and tensor that stalled)
+            reply = await self._worker_rpc("meshrl_pull", json.dumps(body), timeout=job.timeout + 30.0)
             pulled = [json.loads(r) for r in reply]
             committed = [json.loads(r) for r in await self._worker_rpc("meshrl_commit", job.sync_id,
                                                                          timeout=self.config.control_timeout)]
@@ -302,15 +303,19 @@ class VLLMEngine(ServerEngine):
             with contextlib.suppress(Exception):
                 await self._worker_rpc("meshrl_discard", timeout=30.0)
             late = time.monotonic() - started >= job.timeout or isinstance(exc, TimeoutError | asyncio.TimeoutError)
-            raise (TransferTimeout if late else TransportError)(f"vLLM workers: {type(exc).__name__}: {exc}") from exc
+            ranks = ", ".join(str(w["rank"]) for w in self.workers)
+            raise (TransferTimeout if late else TransportError)(
+                f"vLLM workers (ranks {ranks}): {type(exc).__name__}: {exc}") from exc
         seconds = time.monotonic() - started
         details = {"workers": len(pulled), "bytes": sum(p["bytes_received"] for p in pulled),
+                   "delta": job.delta_base is not None,
                    "pull_seconds": round(max(p["seconds"] for p in pulled), 4),
                    "commit_seconds": round(max(c["seconds"] for c in committed), 4),
-                   "packed": sum(c["packed"] for c in committed), "in_place": sum(c["in_place"] for c in committed)}
+                   "packed": sum(c["packed"] for c in committed), "in_place": sum(c["in_place"] for c in committed),
+                   "unchanged": sum(c["unchanged"] for c in committed)}
         self._pulled = (job.version, details)
         checksum = ",".join(p["checksum"] for p in pulled) if job.verify else ""
-        return PullResult(details["bytes"], seconds, checksum)
+        return PullResult(details["bytes"], seconds, checksum, sum(p["bytes_full"] for p in pulled))
 
     async def _worker_rpc(self, method: str, *args: str, timeout: float) -> list:
         reply = await self._post("/collective_rpc", {"method": method, "args": list(args), "timeout": timeout},

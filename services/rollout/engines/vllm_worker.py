@@ -141,11 +141,21 @@ class WeightUpdateExtension:
         job.transfers = [dataclasses.replace(t, dst_local=t.dst_local[len(prefix):])
                          for t in job.transfers if t.dst_local.startswith(prefix)]
         live = live_params(self.model_runner.get_model())
+        shadow = getattr(self, "_meshrl_shadow", {})
         buffers: dict[str, torch.Tensor] = {}
         for name in sorted({t.dst_local for t in job.transfers}):
             if name not in live:
                 raise ValueError(f"transfers.dst_local_name: {name!r} is not a parameter of worker {self.rank}")
-            _, param, shape, _ = live[name]
+            _, param, shape, packed = live[name]
+            if job.delta_base is not None:
+                # a delta sets the changed elements of what the worker holds: start from it (a packed layer's
+                # plain values are only in the shadow kept at its last commit)
+                current = shadow.get(name) if packed else param.data
+                if current is None:
+                    raise ValueError(f"delta_base_version: worker {self.rank} keeps no plain copy of packed {name}: "
+                                     "a full update is needed")
+                buffers[name] = current.clone()
+                continue
             buffers[name] = torch.empty(shape, dtype=param.dtype, device=param.device)
             if covered(job.transfers, name) != buffers[name].numel():
                 # the buffer replaces the whole parameter at the commit: every element must arrive
@@ -153,9 +163,10 @@ class WeightUpdateExtension:
                                  f"({covered(job.transfers, name)} of {buffers[name].numel()} elements planned)")
         self._meshrl_pending = None
         result = job.run(buffers)
-        self._meshrl_pending = (job.sync_id, buffers)
-        return json.dumps({"bytes_received": result.bytes_received, "seconds": time.perf_counter() - started,
-                           "checksum": result.checksum, "tensors": len(buffers)})
+        self._meshrl_pending = (job.sync_id, buffers, job.track, job.delta_base is not None)
+        return json.dumps({"bytes_received": result.bytes_received, "bytes_full": result.bytes_full,
+                           "seconds": time.perf_counter() - started, "checksum": result.checksum,
+                           "tensors": len(buffers)})
 
     def meshrl_commit(self, sync_id: str) -> str:
         """Phase two: the pulled buffers become the live weights: copied into plain parameters in place; a packed
@@ -168,19 +179,32 @@ class WeightUpdateExtension:
         self._meshrl_pending = None
         model = self.model_runner.get_model()
         live = live_params(model)
-        in_place = packed = 0
+        in_place = packed = unchanged = 0
+        _, buffers, track, is_delta = pending
+        # with deltas on, a packed layer's plain values are kept (the packed copy cannot be read back): the
+        # base the next delta is applied to
+        shadow = self.__dict__.setdefault("_meshrl_shadow", {})
+        if not track:
+            shadow.clear()
         with torch.no_grad():
-            for name, buffer in pending[1].items():
+            for name, buffer in buffers.items():
                 module, param, _, is_packed = live[name]
+                if is_delta and torch.equal(buffer, shadow[name] if is_packed else param.data):
+                    unchanged += 1      # nothing of it changed: no copy, no re-packing
+                    continue
                 if is_packed:
                     module.weight = torch.nn.Parameter(buffer, requires_grad=False)
                     module.quant_method.process_weights_after_loading(module)
+                    if track:
+                        shadow[name] = buffer
                     packed += 1
                 else:
                     param.data.copy_(buffer)
                     in_place += 1
-            refresh_cpu_gemms(model)
-        return json.dumps({"in_place": in_place, "packed": packed, "seconds": time.perf_counter() - started})
+            if in_place:    # a plain weight changed: re-pack what shares it (the tied output layer)
+                refresh_cpu_gemms(model)
+        return json.dumps({"in_place": in_place, "packed": packed, "unchanged": unchanged,
+                           "seconds": time.perf_counter() - started})
 
     def meshrl_discard(self) -> str:
         """Drop what a pull left for a commit (the update was abandoned)."""

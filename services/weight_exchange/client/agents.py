@@ -274,9 +274,10 @@ class ReceiverAgent(_Registrant):
         except _ApplyFailed as exc:
             await context.abort(exc.code, exc.message)
         log.info("applied", rank_id=self.rank_id, version=request.version, bytes=result.bytes_received,
+                 delta=request.delta,
                  seconds=round(result.seconds, 4), plan_hash=request.plan_hash)
         return wx_pb2.ApplyReply(bytes_received=result.bytes_received, seconds=result.seconds,
-                                 checksum=result.checksum)
+                                 checksum=result.checksum, bytes_full=result.bytes_full)
 
     async def _apply(self, request: wx_pb2.ApplyRequest, transfers: list[Transfer]):
         """Pause, pull every planned range into the live tensors, resume (at the new version on success)."""
@@ -291,9 +292,14 @@ class ReceiverAgent(_Registrant):
                 log.warning("pause_failed", rank_id=self.rank_id, version=request.version, error=str(exc))
                 raise _ApplyFailed(grpc.StatusCode.UNAVAILABLE, f"{self.rank_id}: pause failed: {exc}") from exc
             try:
+                if request.delta and request.delta_base_version != old:
+                    raise FieldError("delta_base_version", f"{self.rank_id} holds version {old}, not "
+                                     f"{request.delta_base_version}: a full update is needed")
                 job = PullJob(self.rank_id, transfers, dict(request.sender_endpoints), request.transport,
                               request.timeout_seconds, request.verify, request.version,
-                              dict(request.sender_tickets), request.sync_id)
+                              dict(request.sender_tickets), request.sync_id,
+                              delta_base=request.delta_base_version if request.delta else None,
+                              track=request.track_delta)
                 if self._pull is not None:
                     result = await self._pull(job)
                 else:

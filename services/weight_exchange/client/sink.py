@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from services.common.errors import FieldError
-from services.weight_exchange.client import transports
+from services.weight_exchange.client import delta, transports
 from services.weight_exchange.client.layout import ITEMSIZE
 from services.weight_exchange.client.regions import Region
 from services.weight_exchange.client.transports.base import Item, Link, direct
@@ -56,24 +56,30 @@ class PullJob:
     version: int
     tickets: dict[str, str]         # sender rank -> the coordinator's ticket
     sync_id: str
+    delta_base: int | None = None   # the version the receiver holds: only what changed since is sent
+    track: bool = False             # the senders keep what they serve (the next delta's base)
 
     def run(self, tensors: Mapping[str, torch.Tensor]) -> PullResult:
         """Pull into `tensors` here (pull_all)."""
         return pull_all(self.rank_id, tensors, self.transfers, self.endpoints, self.transport, self.timeout,
-                        verify=self.verify, version=self.version, tickets=self.tickets, sync_id=self.sync_id)
+                        verify=self.verify, version=self.version, tickets=self.tickets, sync_id=self.sync_id,
+                        delta_base=self.delta_base, track=self.track)
 
     def to_json(self) -> dict[str, Any]:
         return {"rank_id": self.rank_id, "transfers": [t.to_row() for t in self.transfers],
                 "endpoints": self.endpoints, "transport": self.transport, "timeout": self.timeout,
-                "verify": self.verify, "version": self.version, "tickets": self.tickets, "sync_id": self.sync_id}
+                "verify": self.verify, "version": self.version, "tickets": self.tickets, "sync_id": self.sync_id,
+                "delta_base": self.delta_base, "track": self.track}
 
     @classmethod
     def from_json(cls, job: Mapping[str, Any]) -> PullJob:
         from services.weight_exchange.client.transfer import Transfer
 
+        base = job.get("delta_base")
         return cls(job["rank_id"], [Transfer.from_row(r) for r in job["transfers"]], dict(job["endpoints"]),
                    job["transport"], float(job["timeout"]), bool(job["verify"]), int(job["version"]),
-                   dict(job["tickets"]), job["sync_id"])
+                   dict(job["tickets"]), job["sync_id"], None if base is None else int(base),
+                   bool(job.get("track", False)))
 
 
 @dataclasses.dataclass
@@ -81,6 +87,7 @@ class PullResult:
     bytes_received: int
     seconds: float
     checksum: str = ""
+    bytes_full: int = 0     # the receiver's bytes of this update in its dtypes (what a full update moves at least)
 
 
 def build_links(rank_id: str, tensors: Mapping[str, torch.Tensor], transfers: Sequence[TransferLike],
@@ -104,15 +111,20 @@ def build_links(rank_id: str, tensors: Mapping[str, torch.Tensor], transfers: Se
             links[t.src] = (Link(t.src, rank_id, [], deadline, verify), requests[t.src])
         links[t.src][0].items.append(Item(t.canonical_name, t.bucket, t.num_bytes, t.dtype,
                                           region_view(dst, t.dst_region)))
-        requests[t.src].append([t.src_local, list(t.src_region.offsets), list(t.src_region.sizes), t.bucket])
+        # the receiver's dtype last: a sender keeping deltas compares what this receiver holds
+        requests[t.src].append([t.src_local, list(t.src_region.offsets), list(t.src_region.sizes), t.bucket,
+                                str(dst.dtype).removeprefix("torch.")])
     return links
 
 
 def pull_all(rank_id: str, tensors: Mapping[str, torch.Tensor], transfers: Sequence[TransferLike],
              endpoints: Mapping[str, str], transport: str, timeout: float, *, verify: bool = False,
-             version: int = 0, tickets: Mapping[str, str] | None = None, sync_id: str = "") -> PullResult:
+             version: int = 0, tickets: Mapping[str, str] | None = None, sync_id: str = "",
+             delta_base: int | None = None, track: bool = False) -> PullResult:
     """Pull every transfer into the live tensors (one thread per sender); TransportError names ranks and tensor.
-    `tickets` (sender -> ticket) and `sync_id` come from the coordinator's ApplyRequest."""
+    `tickets` (sender -> ticket) and `sync_id` come from the coordinator's ApplyRequest. `delta_base`: the version
+    the tensors hold; only what changed since is sent (delta.py). `track`: the senders keep what they serve as
+    the base of the next delta."""
     start = time.monotonic()
     deadline = start + timeout
     impl = transports.get(transport)
@@ -122,7 +134,8 @@ def pull_all(rank_id: str, tensors: Mapping[str, torch.Tensor], transfers: Seque
             raise FieldError("sender_endpoints", f"no {transport} endpoint for sender {src}")
     crcs: dict[str, list[int]] = {}
     with ThreadPoolExecutor(max_workers=max(1, min(len(links), 16))) as pool:
-        auth = {src: {"ticket": (tickets or {}).get(src, ""), "sync_id": sync_id} for src in links}
+        auth = {src: {"ticket": (tickets or {}).get(src, ""), "sync_id": sync_id, "delta_base": delta_base,
+                      "track": track} for src in links}
         futures = {src: pool.submit(_pull_link, impl, endpoints[src], link, items, version, crcs, auth[src])
                    for src, (link, items) in sorted(links.items())}
         errors = []
@@ -135,12 +148,15 @@ def pull_all(rank_id: str, tensors: Mapping[str, torch.Tensor], transfers: Seque
         timeout_hit = any(isinstance(e, TransferTimeout) for e in errors)
         message = "; ".join(str(e) for e in errors)
         raise (TransferTimeout if timeout_hit else TransportError)(message)
-    total = sum(t.num_bytes for t in transfers)
+    total = sum(link.received if link.received >= 0 else sum(it.num_bytes for it in link.items)
+                for link, _ in links.values())
+    full = sum(it.dst.numel() * it.dst.element_size() for link, _ in links.values() for it in link.items
+               if it.dst is not None)
     checksum = ""
     if verify:
         joined = ",".join(f"{src}:{c}" for src in sorted(crcs) for c in crcs[src])
         checksum = f"{zlib.crc32(joined.encode()):08x}"
-    return PullResult(total, time.monotonic() - start, checksum)
+    return PullResult(total, time.monotonic() - start, checksum, full)
 
 
 @torch.no_grad()  # grad mode is per thread: each pulling thread writes live parameters outside autograd itself
@@ -164,7 +180,10 @@ def _pull_link(impl: transports.Transport, endpoint: str, link: Link, items: lis
             reply = recv_frame(conn)
             if "error" in reply:
                 raise TransportError(reply["error"])
-            impl.pull(conn, reply, link)
+            if reply.get("delta"):
+                link.received = delta.pull(conn, link)
+            else:
+                impl.pull(conn, reply, link)
             link.current = -1
             set_deadline(conn, link.deadline)
             end = recv_frame(conn)      # the sender's word that the read was clean (not torn by an update)

@@ -22,7 +22,8 @@ import torch
 
 from services.common.errors import FieldError
 from services.common.logging import get_logger
-from services.weight_exchange.client import tickets, transports
+from services.weight_exchange.client import delta, tickets, transports
+from services.weight_exchange.client.delta import DeltaStore
 from services.weight_exchange.client.regions import Region
 from services.weight_exchange.client.wire import (
     MAX_HEADER,
@@ -67,6 +68,7 @@ class SenderServer:
         self._open = 0                       # connections being served (guarded by _state)
         self._unverified = 0                 # of which not past the ticket check yet
         self._over_cap = 0                   # connections closed at once for the caps (the accept thread's)
+        self.deltas = DeltaStore()           # what it served, when the coordinator tracks deltas (delta.py)
 
     def begin_update(self) -> None:
         """The parameters are about to change (thread-safe): reads are refused until `end_update`."""
@@ -212,19 +214,30 @@ class SenderServer:
             if request["transport"] not in self.transport_names:
                 raise FieldError("transport", f"{request['transport']!r} is not offered by {self.rank_id} "
                                  f"(offers {', '.join(self.transport_names)})")
+            base, track = request.get("delta_base"), bool(request.get("track"))
+            keys = delta.keys_of(request["items"]) if base is not None or track else []
             seq = self.begin_read(version)
-        except (ValueError, KeyError) as exc:
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
             send_frame(conn, {"error": f"sender {self.rank_id}: {exc}"})
             return
-        transports.get(request["transport"]).serve(conn, request, views, self)
+        if base is not None:
+            got = delta.serve(conn, views, keys, int(base), self.deltas, self.rank_id)
+            if got is None:
+                return      # refused: the receiver needs a full update
+            served = got
+        else:
+            transports.get(request["transport"]).serve(conn, request, views, self)
+            served = delta.snapshot(views, keys) if track else {}
         end: dict[str, Any] = {"crc": [crc(v) for v in views]} if request.get("verify") else {}
         torn = self.end_read(seq, version)
+        if not torn and served:
+            self.deltas.keep(served, version)
         send_frame(conn, {"error": f"sender {self.rank_id}: {torn}"} if torn else {"done": True, **end})
 
     def resolve(self, items: list[list[Any]]) -> list[torch.Tensor]:
         """Views of the requested regions; ValueError naming the tensor when one does not exist here."""
         views = []
-        for name, offsets, sizes, _bucket in items:
+        for name, offsets, sizes, *_rest in items:    # [name, offsets, sizes, bucket(, receiver dtype)]
             t = self.tensors.get(name)
             if t is None:
                 raise ValueError(f"has no tensor {name!r}")

@@ -32,6 +32,7 @@ class Link:
     deadline: float                 # time.monotonic()
     verify: bool = False
     current: int = -1               # index of the item in flight (for error messages)
+    received: int = -1              # payload bytes, when they differ from the items' (a delta); -1: the items'
 
     def staging(self) -> torch.Tensor:
         size = max((it.num_bytes for it in self.items), default=0)

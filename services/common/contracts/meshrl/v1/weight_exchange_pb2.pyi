@@ -99,18 +99,22 @@ class SyncRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., transport: _Optional[str] = ..., verify: _Optional[bool] = ...) -> None: ...
 
 class SyncReply(_message.Message):
-    __slots__ = ("version", "seconds", "bytes_moved", "num_receivers", "plan_hash")
+    __slots__ = ("version", "seconds", "bytes_moved", "num_receivers", "plan_hash", "delta", "bytes_full")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
     NUM_RECEIVERS_FIELD_NUMBER: _ClassVar[int]
     PLAN_HASH_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FULL_FIELD_NUMBER: _ClassVar[int]
     version: int
     seconds: float
     bytes_moved: int
     num_receivers: int
     plan_hash: str
-    def __init__(self, version: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes_moved: _Optional[int] = ..., num_receivers: _Optional[int] = ..., plan_hash: _Optional[str] = ...) -> None: ...
+    delta: bool
+    bytes_full: int
+    def __init__(self, version: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes_moved: _Optional[int] = ..., num_receivers: _Optional[int] = ..., plan_hash: _Optional[str] = ..., delta: _Optional[bool] = ..., bytes_full: _Optional[int] = ...) -> None: ...
 
 class WeightExchangeStatus(_message.Message):
     __slots__ = ("num_senders", "num_receivers", "deployed_version", "syncs", "last_sync_seconds", "last_bytes_moved")
@@ -129,7 +133,7 @@ class WeightExchangeStatus(_message.Message):
     def __init__(self, num_senders: _Optional[int] = ..., num_receivers: _Optional[int] = ..., deployed_version: _Optional[int] = ..., syncs: _Optional[int] = ..., last_sync_seconds: _Optional[float] = ..., last_bytes_moved: _Optional[int] = ...) -> None: ...
 
 class ApplyRequest(_message.Message):
-    __slots__ = ("version", "transport", "transfers", "sender_endpoints", "timeout_seconds", "verify", "plan_hash", "sync_id", "sender_tickets", "signature")
+    __slots__ = ("version", "transport", "transfers", "sender_endpoints", "timeout_seconds", "verify", "plan_hash", "sync_id", "sender_tickets", "signature", "delta", "delta_base_version", "track_delta")
     class SenderEndpointsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +158,9 @@ class ApplyRequest(_message.Message):
     SYNC_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_TICKETS_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    DELTA_BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRACK_DELTA_FIELD_NUMBER: _ClassVar[int]
     version: int
     transport: str
     transfers: _containers.RepeatedCompositeFieldContainer[Transfer]
@@ -164,14 +171,19 @@ class ApplyRequest(_message.Message):
     sync_id: str
     sender_tickets: _containers.ScalarMap[str, str]
     signature: str
-    def __init__(self, version: _Optional[int] = ..., transport: _Optional[str] = ..., transfers: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ..., sender_endpoints: _Optional[_Mapping[str, str]] = ..., timeout_seconds: _Optional[float] = ..., verify: _Optional[bool] = ..., plan_hash: _Optional[str] = ..., sync_id: _Optional[str] = ..., sender_tickets: _Optional[_Mapping[str, str]] = ..., signature: _Optional[str] = ...) -> None: ...
+    delta: bool
+    delta_base_version: int
+    track_delta: bool
+    def __init__(self, version: _Optional[int] = ..., transport: _Optional[str] = ..., transfers: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ..., sender_endpoints: _Optional[_Mapping[str, str]] = ..., timeout_seconds: _Optional[float] = ..., verify: _Optional[bool] = ..., plan_hash: _Optional[str] = ..., sync_id: _Optional[str] = ..., sender_tickets: _Optional[_Mapping[str, str]] = ..., signature: _Optional[str] = ..., delta: _Optional[bool] = ..., delta_base_version: _Optional[int] = ..., track_delta: _Optional[bool] = ...) -> None: ...
 
 class ApplyReply(_message.Message):
-    __slots__ = ("bytes_received", "seconds", "checksum")
+    __slots__ = ("bytes_received", "seconds", "checksum", "bytes_full")
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FULL_FIELD_NUMBER: _ClassVar[int]
     bytes_received: int
     seconds: float
     checksum: str
-    def __init__(self, bytes_received: _Optional[int] = ..., seconds: _Optional[float] = ..., checksum: _Optional[str] = ...) -> None: ...
+    bytes_full: int
+    def __init__(self, bytes_received: _Optional[int] = ..., seconds: _Optional[float] = ..., checksum: _Optional[str] = ..., bytes_full: _Optional[int] = ...) -> None: ...

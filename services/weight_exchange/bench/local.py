@@ -1,0 +1,87 @@
+"""The whole weight exchange in one event loop, for benchmarks and tests of an engine's receiver: the service, one
+sender over a dict of Hugging Face tensors (a trainer's weights) and the engine's receiver agent
+(`engine.weight_receiver_args()`, hosted on a loopback gRPC server), each a real component talking gRPC and the
+data plane over loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+import torch
+
+from services.common.contracts import weight_exchange_pb2 as wx_pb2
+from services.common.net import free_port
+from services.common.rpc import start_server
+from services.weight_exchange.client import ReceiverAgent, SenderAgent
+from services.weight_exchange.config import WeightExchangeConfig
+from services.weight_exchange.server import serve
+
+
+@dataclasses.dataclass
+class LocalExchange:
+    sender: SenderAgent
+    receiver: ReceiverAgent
+    params: dict[str, torch.Tensor]
+    timeout: float
+    address: str            # the service's gRPC address
+
+    async def update(self, version: int, change: Callable[[dict[str, torch.Tensor]], Any] | None = None, *,
+                     transport: str = "", verify: bool = True) -> wx_pb2.SyncReply:
+        """`change(params)` inside the sender's update bracket, then a Sync of `version` to the receiver."""
+        self.sender.begin_update()
+        try:
+            if change is not None:
+                with torch.no_grad():
+                    change(self.params)
+        finally:
+            self.sender.end_update(version)
+        # past the service's own deadline for the receivers (transfers + pause / resume): its error names who stalled
+        return await self.sender.sync(version, self.timeout + 90.0, transport=transport, verify=verify)
+
+
+def engine_receiver(engine: Any) -> dict[str, Any]:
+    """ReceiverAgent arguments for a rollout engine: its pause / resume around updates, its version and weights."""
+    return {"on_pause": engine.pause_async, "on_resume": engine.resume_async, "version": engine.version,
+            **engine.weight_receiver_args()}
+
+
+@contextlib.asynccontextmanager
+async def local_exchange(params: dict[str, torch.Tensor], receiver_args: dict[str, Any], *,
+                         timeout: float = 300.0, rank_id: str = "rollout-0", delta: bool = False,
+                         full_every: int = 10) -> AsyncIterator[LocalExchange]:
+    """Sender over `params` (holding the receiver's version: they must equal its weights) and a receiver made of
+    `receiver_args` (ReceiverAgent's keyword arguments, e.g. `engine_receiver(engine)`)."""
+    address = f"127.0.0.1:{free_port('127.0.0.1')}"
+    stop = asyncio.Event()
+    config = WeightExchangeConfig(grpc_address=address, nats_url="", metrics_port=-1, transfer_timeout=timeout,
+                                  delta=delta, full_every=full_every)
+    service = asyncio.create_task(serve(config, stop))
+    sender = SenderAgent("trainer-0", params, address, transports=("tcp", "shm"),
+                         version=receiver_args.get("version", 0))
+    receiver = ReceiverAgent(rank_id, wx_address=address, **receiver_args)
+    server = await start_server("127.0.0.1:0", [receiver.servicer()])
+    try:
+        await sender.open()
+        deadline = time.monotonic() + 60.0
+        while True:  # the service comes up in the background
+            try:
+                await sender.register()
+                break
+            except grpc.aio.AioRpcError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the weight exchange did not answer in 60 s") from None
+                await asyncio.sleep(0.2)
+        await receiver.register(f"127.0.0.1:{server.port}")
+        yield LocalExchange(sender, receiver, params, timeout, address)
+    finally:
+        await sender.close()
+        await receiver.close()
+        await server.stop(0)
+        stop.set()
+        await asyncio.wait_for(service, 60.0)

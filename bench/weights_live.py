@@ -14,7 +14,8 @@ Then deltas (`weight_exchange.delta: true`) after real optimizer steps: AdamW on
 chat-formatted prompts, fp32 master weights, at lr 1e-6 and at configs/smollm2.yaml's 3e-5, into the `worker` vLLM
 (the engine's dtype) and into the embedded engine in bfloat16 (what configs/smollm2.yaml serves). Per step:
 `delta_fraction` (bytes moved, indices and values, over the receiver's full bytes in its dtype) and
-`update_seconds`; at the end `bit_identical` (the embedded engine's weights equal the master weights cast to
+`update_seconds` (beside `full_update_seconds`, full updates into the same embedded engine); at the end
+`bit_identical` (the embedded engine's weights equal the master weights cast to
 bf16) and `outputs_match` (vLLM's greedy tokens equal HF's).
 
     python -m bench.weights_live [--repeat N] [--steps N] [--dtype float32|bfloat16] [--transport shm|tcp]
@@ -169,12 +170,20 @@ async def measure_deltas(vllm_engine, lr: float, steps: int, transport: str) -> 
             live = embedded.named_parameters()
             found["embedded"]["bit_identical"] = all(torch.equal(live[n], params[n].detach().to(live[n].dtype))
                                                      for n in live if n in params)
+        # beside the deltas, full updates into the same embedded engine (the bytes move whatever changed)
+        async with local_exchange(params, engine_receiver(embedded)) as wx:
+            full = []
+            for _ in range(3):
+                started = time.perf_counter()
+                await wx.update(embedded.version + 1, transport=transport)
+                full.append(time.perf_counter() - started)
+            found["embedded"]["full_update_seconds"] = round(statistics.median(full), 3)
     finally:
         embedded.stop()
     return [{"case": "delta_sync", "engine": name, "dtype": dtypes[name], "lr": lr, "steps": steps, "transport": transport, "all_deltas": all(f["deltas"]),
              "delta_fraction": [round(x, 4) for x in f["fractions"]], "bytes_full": f["bytes_full"],
              "update_seconds": [round(x, 3) for x in f["seconds"]],
-             **{k: f[k] for k in ("outputs_match", "bit_identical") if k in f},
+             **{k: f[k] for k in ("outputs_match", "bit_identical", "full_update_seconds") if k in f},
              "load_average": round(os.getloadavg()[0], 2)} for name, f in found.items()]
 
 

@@ -118,7 +118,8 @@ class VLLMConfig:
 VLLMStats = ServerStats
 
 
-def worker_shards(workers: list[dict], model_path: str, dtype: str) -> tuple[list, dict[str, int]]:
+def worker_shards(workers: list[dict], model_path: str, dtype: str,
+                  engine: str = "vllm") -> tuple[list, dict[str, int]]:
     """The receiver shards of an engine's workers from what each reported (`meshrl_live_params`), checked against
     the vLLM layout of the model (LayoutMismatch names each difference); with several workers each local name is
     prefixed `w<rank>/`, so one receiver holds every worker's shards without overlap."""
@@ -131,7 +132,7 @@ def worker_shards(workers: list[dict], model_path: str, dtype: str) -> tuple[lis
     shards, parallel = [], {}
     for w in workers:
         params = {name: (tuple(shape), dt) for name, shape, dt, _ in w["params"]}
-        layout = live_layout(f"vllm-worker-{w['rank']}", params, spec, "vllm", tp=w["tp"], tp_rank=w["tp_rank"])
+        layout = live_layout(f"vllm-worker-{w['rank']}", params, spec, engine, tp=w["tp"], tp_rank=w["tp_rank"])
         prefix = f"w{w['rank']}/" if len(workers) > 1 else ""
         shards += [dc.replace(s, local_name=prefix + s.local_name) for s in layout.shards]
         parallel = {k: v for k, v in layout.parallel.items() if k != "tp_rank"} | {"workers": len(workers)}
@@ -202,6 +203,7 @@ class Stage:
 class VLLMEngine(ServerEngine):
     kind = "vllm"
     name = "vllm"
+    layout_engine = "vllm"      # the weight exchange's layout rules (vllm_ascend: fused experts kept transposed)
     server_name = "vLLM"
     weights_off = "engine.vllm.weight_updates is off"
 
@@ -231,7 +233,8 @@ class VLLMEngine(ServerEngine):
             reply = http_post_json(self.url + "/collective_rpc", {"method": "meshrl_live_params",
                                    "timeout": self.config.control_timeout}, self.config.control_timeout)
             self.workers = [json.loads(r) for r in reply["results"]]
-            self.receiver_shards, self.receiver_parallel = worker_shards(self.workers, self.model_path, self.dtype)
+            self.receiver_shards, self.receiver_parallel = worker_shards(self.workers, self.model_path, self.dtype,
+                                                                         self.layout_engine)
         self.log.info("vllm_ready", url=self.url, model=self.served_model, version=self.version,
                       started=self.process is not None)
 
@@ -292,7 +295,11 @@ class VLLMEngine(ServerEngine):
         if not self._paused:
             raise RuntimeError(f"pull version {job.version}: the engine is not paused")
         started = time.monotonic()
-        body = {**job.to_json(), "prefix_by_rank": len(self.workers) > 1}
+        from services.weight_exchange.client.layouts.inference import is_transposed
+
+        body = {**job.to_json(), "prefix_by_rank": len(self.workers) > 1,
+                "transposed": sorted({n for w in self.workers for n, *_ in w["params"]
+                                      if is_transposed(self.layout_engine, n)})}
         try:
             # vLLM's own RPC deadline after the workers' (theirs names the link and tensor that stalled)
             reply = await self._worker_rpc("meshrl_pull", json.dumps(body), timeout=job.timeout + 30.0)

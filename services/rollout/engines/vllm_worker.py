@@ -83,17 +83,21 @@ def _packed(module: torch.nn.Module, param: torch.Tensor) -> bool:
     return hasattr(module, "cpu_linear") and param.numel() == 0 and hasattr(module, "output_size_per_partition")
 
 
-def live_params(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, torch.Tensor, tuple[int, ...], bool]]:
-    """name -> (owning module, parameter, logical shape, packed) for every parameter vLLM holds (a tied weight once,
-    under its first name, as `named_parameters()` gives it)."""
+def live_params(model: torch.nn.Module, transposed=()) -> dict[str, tuple[torch.nn.Module, torch.Tensor,
+                                                                          tuple[int, ...], bool]]:
+    """name -> (owning module, the tensor updates write, logical shape, packed) for every parameter vLLM holds (a
+    tied weight once, under its first name, as `named_parameters()` gives it). `transposed`: names the engine keeps
+    transposed after loading (vLLM-Ascend's fused experts): their tensor is the `.transpose(-2, -1)` view of the
+    parameter, in the layout's logical shape."""
     out = {}
     for name, param in model.named_parameters():
         module_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_name) if module_name else model
         packed = leaf == "weight" and _packed(module, param)
+        tensor = param.data.transpose(-2, -1) if name in transposed else param.data
         shape = (int(module.output_size_per_partition), int(module.input_size_per_partition)) if packed \
-            else tuple(int(d) for d in param.shape)
-        out[name] = (module, param, shape, packed)
+            else tuple(int(d) for d in tensor.shape)
+        out[name] = (module, tensor, shape, packed)
     return out
 
 
@@ -140,7 +144,7 @@ class WeightUpdateExtension:
         prefix = f"w{self.rank}/" if raw.get("prefix_by_rank") else ""
         job.transfers = [dataclasses.replace(t, dst_local=t.dst_local[len(prefix):])
                          for t in job.transfers if t.dst_local.startswith(prefix)]
-        live = live_params(self.model_runner.get_model())
+        live = live_params(self.model_runner.get_model(), raw.get("transposed", ()))
         shadow = getattr(self, "_meshrl_shadow", {})
         buffers: dict[str, torch.Tensor] = {}
         for name in sorted({t.dst_local for t in job.transfers}):
@@ -150,20 +154,21 @@ class WeightUpdateExtension:
             if job.delta_base is not None:
                 # a delta sets the changed elements of what the worker holds: start from it (a packed layer's
                 # plain values are only in the shadow kept at its last commit)
-                current = shadow.get(name) if packed else param.data
+                current = shadow.get(name) if packed else param
                 if current is None:
                     raise ValueError(f"delta_base_version: worker {self.rank} keeps no plain copy of packed {name}: "
                                      "a full update is needed")
                 buffers[name] = current.clone()
                 continue
-            buffers[name] = torch.empty(shape, dtype=param.dtype, device=param.device)
+            buffers[name] = torch.empty(shape, dtype=param.dtype, device=param.device)   # contiguous
             if covered(job.transfers, name) != buffers[name].numel():
                 # the buffer replaces the whole parameter at the commit: every element must arrive
                 raise ValueError(f"transfers: {name} must be sent whole to worker {self.rank} "
                                  f"({covered(job.transfers, name)} of {buffers[name].numel()} elements planned)")
         self._meshrl_pending = None
         result = job.run(buffers)
-        self._meshrl_pending = (job.sync_id, buffers, job.track, job.delta_base is not None)
+        self._meshrl_pending = (job.sync_id, buffers, job.track, job.delta_base is not None,
+                                tuple(raw.get("transposed", ())))
         return json.dumps({"bytes_received": result.bytes_received, "bytes_full": result.bytes_full,
                            "seconds": time.perf_counter() - started, "checksum": result.checksum,
                            "tensors": len(buffers)})
@@ -177,10 +182,10 @@ class WeightUpdateExtension:
         if pending is None or pending[0] != sync_id:
             raise RuntimeError(f"worker {self.rank}: nothing pulled for update {sync_id}")
         self._meshrl_pending = None
+        _, buffers, track, is_delta, transposed = pending
         model = self.model_runner.get_model()
-        live = live_params(model)
+        live = live_params(model, transposed)
         in_place = packed = unchanged = 0
-        _, buffers, track, is_delta = pending
         # with deltas on, a packed layer's plain values are kept (the packed copy cannot be read back): the
         # base the next delta is applied to
         shadow = self.__dict__.setdefault("_meshrl_shadow", {})
@@ -189,7 +194,7 @@ class WeightUpdateExtension:
         with torch.no_grad():
             for name, buffer in buffers.items():
                 module, param, _, is_packed = live[name]
-                if is_delta and torch.equal(buffer, shadow[name] if is_packed else param.data):
+                if is_delta and torch.equal(buffer, shadow[name] if is_packed else param):
                     unchanged += 1      # nothing of it changed: no copy, no re-packing
                     continue
                 if is_packed:
@@ -199,7 +204,7 @@ class WeightUpdateExtension:
                         shadow[name] = buffer
                     packed += 1
                 else:
-                    param.data.copy_(buffer)
+                    param.copy_(buffer)     # the parameter's memory (through the view when transposed)
                     in_place += 1
             if in_place:    # a plain weight changed: re-pack what shares it (the tied output layer)
                 refresh_cpu_gemms(model)

@@ -59,8 +59,9 @@ async def local_exchange(params: dict[str, torch.Tensor], receiver_args: dict[st
     `receiver_args` (ReceiverAgent's keyword arguments, e.g. `engine_receiver(engine)`)."""
     address = f"127.0.0.1:{free_port('127.0.0.1')}"
     stop = asyncio.Event()
+    # rank_ttl 0: no heartbeats run here, so registrations never expire (a case may sit idle for minutes)
     config = WeightExchangeConfig(grpc_address=address, nats_url="", metrics_port=-1, transfer_timeout=timeout,
-                                  delta=delta, full_every=full_every)
+                                  delta=delta, full_every=full_every, rank_ttl=0.0)
     service = asyncio.create_task(serve(config, stop))
     sender = SenderAgent("trainer-0", params, address, transports=("tcp", "shm"),
                          version=receiver_args.get("version", 0))

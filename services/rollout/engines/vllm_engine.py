@@ -215,6 +215,7 @@ class VLLMEngine(ServerEngine):
         self.receiver_shards: list | None = None
         self.receiver_parallel: dict[str, int] = {}
         self._pulled: tuple[int, dict] | None = None  # (version, details) committed into the workers, not resumed yet
+        self.last_update: dict = {}             # the details of the last update taken (pull / commit seconds, bytes)
 
     @property
     def in_workers(self) -> bool:
@@ -334,6 +335,7 @@ class VLLMEngine(ServerEngine):
             if self._pulled is None or self._pulled[0] != version:
                 raise RuntimeError(f"version {version} was not pulled into vLLM's workers")
             details, self._pulled = self._pulled[1], None
+            self.last_update = details
             return details
         reply = await self._post("/collective_rpc", {
             "method": "meshrl_load_staged", "args": [self.stage.manifest()],

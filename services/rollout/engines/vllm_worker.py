@@ -160,11 +160,18 @@ class WeightUpdateExtension:
                                      "a full update is needed")
                 buffers[name] = current.clone()
                 continue
-            buffers[name] = torch.empty(shape, dtype=param.dtype, device=param.device)   # contiguous
-            if covered(job.transfers, name) != buffers[name].numel():
-                # the buffer replaces the whole parameter at the commit: every element must arrive
-                raise ValueError(f"transfers: {name} must be sent whole to worker {self.rank} "
-                                 f"({covered(job.transfers, name)} of {buffers[name].numel()} elements planned)")
+            numel = 1
+            for d in shape:
+                numel *= d
+            if covered(job.transfers, name) == numel:
+                buffers[name] = torch.empty(shape, dtype=param.dtype, device=param.device)   # contiguous
+            elif not packed:
+                # the update leaves some elements alone (the padded rows of a vocabulary shard): they keep theirs
+                buffers[name] = param.clone()
+            else:
+                # a packed layer is rebuilt from its buffer alone: every element must arrive
+                raise ValueError(f"transfers: packed {name} must be sent whole to worker {self.rank} "
+                                 f"({covered(job.transfers, name)} of {numel} elements planned)")
         self._meshrl_pending = None
         result = job.run(buffers)
         self._meshrl_pending = (job.sync_id, buffers, job.track, job.delta_base is not None,

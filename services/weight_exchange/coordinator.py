@@ -240,7 +240,7 @@ class Coordinator:
         self.last_bytes_moved = moved
         self._transport = name
         log.info("synced", version=version, seconds=round(seconds, 4), bytes=moved, receivers=len(receivers),
-                 plan_hash=p.plan_hash, transport=name)
+                 plan_hash=p.plan_hash, transport=name, delta=delta)
         if self.on_deployed is not None:
             await self.on_deployed(version)
         return SyncResult(version, seconds, moved, len(receivers), p.plan_hash, delta,

@@ -4,6 +4,8 @@ the worker extension), and afterwards vLLM's greedy tokens are those of the fina
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 import torch
@@ -70,3 +72,7 @@ def test_vllm_rollout_trains_and_receives_every_version(tmp_path):
     ref = [lp[len(prompt_ids) - 1 + i, t].item() for i, t in enumerate(found["tokens"])]
     assert max(abs(a - b) for a, b in zip(ref, found["logprobs"], strict=True)) < 1e-3
     assert summary["exit_codes"]["rollout"] == 0, "the rollout stopped its vLLM server and exited cleanly"
+    synced = [json.loads(line) for line in (tmp_path / "vllm" / "logs" / "weight_exchange.log").read_text().splitlines()
+              if '"synced"' in line]
+    assert synced and not synced[0]["delta"], "the first update into the new receiver is full"
+    assert any(s["delta"] for s in synced), "later updates are deltas (weight_exchange.delta in the config)"

@@ -43,7 +43,7 @@ def test_run_alone_is_the_default_config():
     ("status", "status"),
     ("chaos", "chaos --seed 0 --name chaos-seed0 --nats single"),
     ("run-agent", "run --config configs/agent.yaml --name agent-seed0 --seed 0"),
-    ("bench-weights", "bench weights"),
+    ("bench-weights", ["bench weights", "bench weights_live"]),   # the layouts, then the live path
     ("bench-gateway", "bench gateway"),
     ("bench-async", "bench async_speedup"),
     ("fuzz", "bench fuzz --cases 10000"),
@@ -52,4 +52,5 @@ def test_run_alone_is_the_default_config():
     ("model-smollm2", "model smollm2"),
 ])
 def test_targets_call_meshrl(target, line):
-    assert commands(target) == [f".venv/bin/meshrl {line}"]
+    lines = line if isinstance(line, list) else [line]
+    assert commands(target) == [f".venv/bin/meshrl {one}" for one in lines]

@@ -73,8 +73,9 @@ lint: setup
 	$(BIN)/mypy
 
 # the layouts over every transport, then the live path into real engines (vLLM's workers, stage vs worker; deltas)
-bench-weights: setup vllm-env model-smollm2
+bench-weights: setup vllm-env
 	$(MESHRL) bench weights
+	test -f artifacts/models/smollm2-135m-instruct/model.safetensors || $(MESHRL) model smollm2
 	$(MESHRL) bench weights_live
 
 bench-gateway: setup

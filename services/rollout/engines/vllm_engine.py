@@ -129,13 +129,14 @@ def worker_shards(workers: list[dict], model_path: str, dtype: str,
     from services.weight_exchange.client.layouts.model import model_spec
 
     spec = model_spec(model_path, dtype)
-    shards, parallel = [], {}
+    shards = []
     for w in workers:
         params = {name: (tuple(shape), dt) for name, shape, dt, _ in w["params"]}
         layout = live_layout(f"vllm-worker-{w['rank']}", params, spec, engine, tp=w["tp"], tp_rank=w["tp_rank"])
         prefix = f"w{w['rank']}/" if len(workers) > 1 else ""
         shards += [dc.replace(s, local_name=prefix + s.local_name) for s in layout.shards]
-        parallel = {k: v for k, v in layout.parallel.items() if k != "tp_rank"} | {"workers": len(workers)}
+    # what the workers share (sizes, not ranks)
+    parallel = {k: v for k, v in layout.parallel.items() if k != "tp_rank"} | {"workers": len(workers)}
     return shards, parallel
 
 
@@ -214,6 +215,7 @@ class VLLMEngine(ServerEngine):
         self.workers: list[dict] = []           # weight_path worker: what each vLLM worker reported at start
         self.receiver_shards: list | None = None
         self.receiver_parallel: dict[str, int] = {}
+        self._transposed: list[str] = []        # local names the workers hold transposed (vLLM-Ascend's experts)
         self._pulled: tuple[int, dict] | None = None  # (version, details) committed into the workers, not resumed yet
         self.last_update: dict = {}             # the details of the last update taken (pull / commit seconds, bytes)
 
@@ -231,11 +233,15 @@ class VLLMEngine(ServerEngine):
         models = json.loads(http_get(self.url + "/v1/models", 30.0))
         self.served_model = models["data"][0]["id"]
         if self.in_workers:
+            from services.weight_exchange.client.layouts.inference import is_transposed
+
             reply = http_post_json(self.url + "/collective_rpc", {"method": "meshrl_live_params",
                                    "timeout": self.config.control_timeout}, self.config.control_timeout)
             self.workers = [json.loads(r) for r in reply["results"]]
             self.receiver_shards, self.receiver_parallel = worker_shards(self.workers, self.model_path, self.dtype,
                                                                          self.layout_engine)
+            self._transposed = sorted({n for w in self.workers for n, *_ in w["params"]
+                                       if is_transposed(self.layout_engine, n)})
         self.log.info("vllm_ready", url=self.url, model=self.served_model, version=self.version,
                       started=self.process is not None)
 
@@ -296,11 +302,7 @@ class VLLMEngine(ServerEngine):
         if not self._paused:
             raise RuntimeError(f"pull version {job.version}: the engine is not paused")
         started = time.monotonic()
-        from services.weight_exchange.client.layouts.inference import is_transposed
-
-        body = {**job.to_json(), "prefix_by_rank": len(self.workers) > 1,
-                "transposed": sorted({n for w in self.workers for n, *_ in w["params"]
-                                      if is_transposed(self.layout_engine, n)})}
+        body = {**job.to_json(), "prefix_by_rank": len(self.workers) > 1, "transposed": self._transposed}
         try:
             # vLLM's own RPC deadline after the workers' (theirs names the link and tensor that stalled)
             reply = await self._worker_rpc("meshrl_pull", json.dumps(body), timeout=job.timeout + 30.0)

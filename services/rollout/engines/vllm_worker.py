@@ -28,9 +28,11 @@ the weight exchange's data plane (`services.weight_exchange.client.sink`: torch,
 
 from __future__ import annotations
 
+import collections
 import json
-import os
+import math
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -101,24 +103,29 @@ def live_params(model: torch.nn.Module, transposed=()) -> dict[str, tuple[torch.
     return out
 
 
-def covered(transfers, name: str) -> int:
-    """Elements of local tensor `name` that `transfers` write (the planner's regions of one receiver are
-    disjoint)."""
-    total = 0
+def planned_elements(transfers) -> collections.Counter:
+    """Elements of each local tensor that `transfers` write (the planner's regions of one receiver are disjoint)."""
+    counts: collections.Counter = collections.Counter()
     for t in transfers:
-        if t.dst_local == name:
-            n = 1
-            for d in t.dst_region.sizes:
-                n *= int(d)
-            total += n
-    return total
+        counts[t.dst_local] += t.dst_region.numel
+    return counts
+
+
+class Pending(NamedTuple):
+    """What a pull leaves for the commit."""
+
+    sync_id: str
+    buffers: dict[str, torch.Tensor]    # local name -> the new values, in the layout's logical shape
+    track: bool                         # deltas are on: keep the packed layers' plain values
+    delta: bool                         # the buffers started from the current values
+    transposed: tuple[str, ...]         # names held transposed after loading
 
 
 class WeightUpdateExtension:
     """Mixed into vLLM's worker (`self` is the worker: `rank`, `reload_weights`, `model_runner`)."""
 
     def meshrl_live_params(self) -> str:
-        """What this worker holds, for its receiver layout. JSON {rank, tp, tp_rank, pid, params: [[name, shape,
+        """What this worker holds, for its receiver layout. JSON {rank, tp, tp_rank, params: [[name, shape,
         dtype, packed], ...]} (shapes logical: a packed layer's as vLLM loaded it)."""
         from vllm.distributed import parallel_state as ps
 
@@ -126,7 +133,7 @@ class WeightUpdateExtension:
         params = [[name, list(shape), str(param.dtype).removeprefix("torch."), packed]
                   for name, (_, param, shape, packed) in live_params(model).items()]
         return json.dumps({"rank": int(self.rank), "tp": ps.get_tensor_model_parallel_world_size(),
-                           "tp_rank": ps.get_tensor_model_parallel_rank(), "pid": os.getpid(), "params": params})
+                           "tp_rank": ps.get_tensor_model_parallel_rank(), "params": params})
 
     def meshrl_pull(self, job_json: str) -> str:
         """Phase one of an update: pull this worker's planned bytes from the senders into buffers of its
@@ -144,10 +151,12 @@ class WeightUpdateExtension:
         prefix = f"w{self.rank}/" if raw.get("prefix_by_rank") else ""
         job.transfers = [dataclasses.replace(t, dst_local=t.dst_local[len(prefix):])
                          for t in job.transfers if t.dst_local.startswith(prefix)]
-        live = live_params(self.model_runner.get_model(), raw.get("transposed", ()))
+        transposed = tuple(raw.get("transposed", ()))
+        live = live_params(self.model_runner.get_model(), transposed)
         shadow = getattr(self, "_meshrl_shadow", {})
+        planned = planned_elements(job.transfers)
         buffers: dict[str, torch.Tensor] = {}
-        for name in sorted({t.dst_local for t in job.transfers}):
+        for name in sorted(planned):
             if name not in live:
                 raise ValueError(f"transfers.dst_local_name: {name!r} is not a parameter of worker {self.rank}")
             _, param, shape, packed = live[name]
@@ -160,10 +169,8 @@ class WeightUpdateExtension:
                                      "a full update is needed")
                 buffers[name] = current.clone()
                 continue
-            numel = 1
-            for d in shape:
-                numel *= d
-            if covered(job.transfers, name) == numel:
+            numel = math.prod(shape)
+            if planned[name] == numel:
                 buffers[name] = torch.empty(shape, dtype=param.dtype, device=param.device)   # contiguous
             elif not packed:
                 # the update leaves some elements alone (the padded rows of a vocabulary shard): they keep theirs
@@ -171,11 +178,10 @@ class WeightUpdateExtension:
             else:
                 # a packed layer is rebuilt from its buffer alone: every element must arrive
                 raise ValueError(f"transfers: packed {name} must be sent whole to worker {self.rank} "
-                                 f"({covered(job.transfers, name)} of {numel} elements planned)")
+                                 f"({planned[name]} of {numel} elements planned)")
         self._meshrl_pending = None
         result = job.run(buffers)
-        self._meshrl_pending = (job.sync_id, buffers, job.track, job.delta_base is not None,
-                                tuple(raw.get("transposed", ())))
+        self._meshrl_pending = Pending(job.sync_id, buffers, job.track, job.delta_base is not None, transposed)
         return json.dumps({"bytes_received": result.bytes_received, "bytes_full": result.bytes_full,
                            "seconds": time.perf_counter() - started, "checksum": result.checksum,
                            "tensors": len(buffers)})
@@ -186,28 +192,27 @@ class WeightUpdateExtension:
         {in_place, packed, seconds}."""
         started = time.perf_counter()
         pending = getattr(self, "_meshrl_pending", None)
-        if pending is None or pending[0] != sync_id:
+        if pending is None or pending.sync_id != sync_id:
             raise RuntimeError(f"worker {self.rank}: nothing pulled for update {sync_id}")
         self._meshrl_pending = None
-        _, buffers, track, is_delta, transposed = pending
         model = self.model_runner.get_model()
-        live = live_params(model, transposed)
+        live = live_params(model, pending.transposed)
         in_place = packed = unchanged = 0
         # with deltas on, a packed layer's plain values are kept (the packed copy cannot be read back): the
         # base the next delta is applied to
         shadow = self.__dict__.setdefault("_meshrl_shadow", {})
-        if not track:
+        if not pending.track:
             shadow.clear()
         with torch.no_grad():
-            for name, buffer in buffers.items():
+            for name, buffer in pending.buffers.items():
                 module, param, _, is_packed = live[name]
-                if is_delta and torch.equal(buffer, shadow[name] if is_packed else param):
+                if pending.delta and torch.equal(buffer, shadow[name] if is_packed else param):
                     unchanged += 1      # nothing of it changed: no copy, no re-packing
                     continue
                 if is_packed:
                     module.weight = torch.nn.Parameter(buffer, requires_grad=False)
                     module.quant_method.process_weights_after_loading(module)
-                    if track:
+                    if pending.track:
                         shadow[name] = buffer
                     packed += 1
                 else:

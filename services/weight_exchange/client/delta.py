@@ -56,11 +56,6 @@ def changed_mask(new: torch.Tensor, base: torch.Tensor) -> np.ndarray:
     return new.reshape(-1).view(bits).numpy() != base.reshape(-1).view(bits).numpy()
 
 
-def changed(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-    """Flat indices (int64) of the elements whose bits differ."""
-    return torch.from_numpy(np.flatnonzero(changed_mask(new, base)))
-
-
 def sparse_is_smaller(count: int, numel: int, itemsize: int) -> bool:
     return count * (INDEX_DTYPE.itemsize + itemsize) < numel * itemsize
 

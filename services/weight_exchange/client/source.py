@@ -220,11 +220,11 @@ class SenderServer:
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             send_frame(conn, {"error": f"sender {self.rank_id}: {exc}"})
             return
+        served: dict[delta.Key, torch.Tensor] | None
         if base is not None:
-            got = delta.serve(conn, views, keys, int(base), self.deltas, self.rank_id)
-            if got is None:
+            served = delta.serve(conn, views, keys, int(base), self.deltas, self.rank_id)
+            if served is None:
                 return      # refused: the receiver needs a full update
-            served = got
         else:
             transports.get(request["transport"]).serve(conn, request, views, self)
             served = delta.snapshot(views, keys) if track else {}

@@ -38,6 +38,24 @@ def test_tokens_finish_on_eos_stop_ids_and_length():
     assert a.finish_reason == "length" and a.versions == [3, 4] and b.output_ids == [EOS]
 
 
+def test_ignore_eos_runs_past_eos_to_the_length_but_stop_ids_still_stop():
+    s = Scheduler(max_batch=4, eos_token_id=EOS, max_context=64)
+    a = Sequence(prompt_ids=[5], sampling=Sampling(max_new_tokens=3, ignore_eos=True))
+    b = Sequence(prompt_ids=[5], sampling=Sampling(max_new_tokens=3, ignore_eos=True, stop_token_ids=(9,)))
+    for x in (a, b):
+        s.add(x)
+    rows = s.schedule().rows
+    assert s.postprocess(rows, [EOS, EOS], [0.0] * 2, version=0) == []
+    assert s.postprocess(rows, [EOS, 9], [0.0] * 2, version=0) == [b] and b.finish_reason == "stop"
+    assert s.postprocess([a], [EOS], [0.0], version=0) == [a]
+    assert a.finish_reason == "length" and a.output_ids == [EOS] * 3
+
+
+def test_ignore_eos_must_be_a_bool():
+    with pytest.raises(ValueError, match="ignore_eos"):
+        Sampling(ignore_eos=1)  # type: ignore[arg-type]
+
+
 def test_weight_update_forces_a_rebuild():
     s = Scheduler(max_batch=2, eos_token_id=EOS, max_context=64)
     s.add(seq())

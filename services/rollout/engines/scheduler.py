@@ -126,7 +126,7 @@ class Scheduler:
         seq.finish_reason = reason
 
     def _finish_reason(self, seq: Sequence, token: int) -> str:
-        if token == self.eos_token_id or token in seq.sampling.stop_token_ids:
+        if (token == self.eos_token_id and not seq.sampling.ignore_eos) or token in seq.sampling.stop_token_ids:
             return "stop"
         if len(seq.output_ids) >= seq.sampling.max_new_tokens or len(seq.context) >= self.max_context:
             return "length"

@@ -25,13 +25,16 @@ MAX_STOP_TOKEN_IDS = 64
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Sampling:
     """temperature in [0, 10] (0: greedy), top_p in (0, 1], top_k in [0, 2^20] (0: off), max_new_tokens in
-    [1, 2^20] (an engine also caps it at its context), at most 64 stop token ids, each >= 0. All finite."""
+    [1, 2^20] (an engine also caps it at its context), at most 64 stop token ids, each >= 0. All finite.
+    `ignore_eos` generates past the model's end-of-sequence token (fixed-length benchmarks, probes); the stop
+    token ids still stop."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if not _real(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
@@ -46,6 +49,8 @@ class Sampling:
             raise FieldError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS}, got {len(self.stop_token_ids)}")
         if not all(_integer(t) and t >= 0 for t in self.stop_token_ids):
             raise FieldError("stop_token_ids", "must be token ids >= 0")
+        if not isinstance(self.ignore_eos, bool):
+            raise FieldError("ignore_eos", f"must be true or false, got {self.ignore_eos!r}")
 
 
 def _real(value: object) -> bool:

@@ -306,7 +306,7 @@ class SGLangEngine(ServerEngine):
                 "logprob_start_len": -1, "top_logprobs_num": 0,
                 "sampling_params": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k or -1,
                                     "max_new_tokens": max_tokens, "stop_token_ids": list(s.stop_token_ids),
-                                    "skip_special_tokens": False}}
+                                    "ignore_eos": s.ignore_eos, "skip_special_tokens": False}}
         self.stats.requests += 1
         response = await self._client.post("/generate", json=body)
         if response.status_code != 200:

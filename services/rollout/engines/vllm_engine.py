@@ -352,7 +352,7 @@ class VLLMEngine(ServerEngine):
                 "request_id": f"meshrl-{seq.seq_id}-{uuid.uuid4().hex[:8]}",
                 "sampling_params": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
                                     "max_tokens": max_tokens, "stop_token_ids": list(s.stop_token_ids),
-                                    "logprobs": 0, "detokenize": False, "skip_special_tokens": False}}
+                                    "ignore_eos": s.ignore_eos, "logprobs": 0, "detokenize": False, "skip_special_tokens": False}}
         self.stats.requests += 1
         async with self._client.stream("POST", "/inference/v1/generate", json=body) as response:
             if response.status_code != 200:

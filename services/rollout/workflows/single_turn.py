@@ -24,7 +24,8 @@ _ID = re.compile(r"[\x21-\x7e]{1,256}")    # ids travel in Nats-Msg-Id headers: 
 def sampling_from_proto(params: data_pb2.SamplingParams) -> Sampling:
     try:
         return Sampling(temperature=params.temperature, top_p=params.top_p or 1.0, top_k=params.top_k,
-                        max_new_tokens=params.max_new_tokens, stop_token_ids=tuple(params.stop_token_ids))
+                        max_new_tokens=params.max_new_tokens, stop_token_ids=tuple(params.stop_token_ids),
+                        ignore_eos=params.ignore_eos)
     except ValueError as exc:
         raise InvalidMessage(f"sampling.{exc}") from exc
 

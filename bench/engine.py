@@ -14,6 +14,9 @@
   engine, as a restarted rollout service does), and the ratios; `repack_seconds` is the rebuild of the
   oneDNN-prepacked weights that the first step after the update does (timed apart, while paused), and
   `update_with_repack_seconds` / `reload_over_update_with_repack` count it in.
+- prefix cache: one line per dtype with `cold_seconds` (a request of an agent-sized shared prefix, `--prefix-tokens`,
+  plus a question, with the prefix cache empty) and `warm_seconds` (the next request with another question: the
+  prefix's KV reused), alternated; `warm_over_cold` (target <= 0.1).
 
     python -m bench.engine [--model DIR] [--concurrency 16 64] [--new-tokens 64] [--dtypes float32 bfloat16]
                            [--engines embedded vllm] [--threads N]
@@ -73,12 +76,12 @@ def pct(values: list[float], q: float) -> float:
 
 
 # the embedded engine --------------------------------------------------------------------------------------------
-def build_embedded(model: str, dtype: str, threads: int, max_batch: int = 256, max_context: int = 512):
+def build_embedded(model: str, dtype: str, threads: int, max_batch: int = 256, max_context: int = 512,
+                   prefix_cache_mb: int = 0):
     from services.rollout.engines.torch_engine import EngineConfig
 
     engine = EngineConfig(model_path=model, dtype=dtype, torch_threads=threads, max_batch=max_batch,
-                          max_context=max_context).build()
-    engine.scheduler.eos_token_id = -1  # exactly max_new_tokens each, like vLLM's ignore_eos
+                          max_context=max_context, prefix_cache_mb=prefix_cache_mb).build()
     engine.start()
     return engine
 
@@ -86,7 +89,7 @@ def build_embedded(model: str, dtype: str, threads: int, max_batch: int = 256, m
 async def drive_embedded(engine, prompts: list[list[int]], concurrency: int, new_tokens: int) -> dict:
     from services.rollout.engines.sequence import Sampling
 
-    sampling = Sampling(temperature=1.0, top_p=1.0, max_new_tokens=new_tokens)
+    sampling = Sampling(temperature=1.0, top_p=1.0, max_new_tokens=new_tokens, ignore_eos=True)  # exactly new_tokens
     gate = asyncio.Semaphore(concurrency)
     ttft: list[float] = []
 
@@ -120,6 +123,8 @@ def bench_embedded(args, prompts_all: list[list[int]]) -> None:
             engine.stop()
         if args.update:
             bench_update(args, dtype, prompts_all)
+        if args.prefix_tokens:
+            bench_prefix(args, dtype)
 
 
 def emit(engine: str, dtype: str, c: int, r: dict, args, **extra) -> None:
@@ -151,7 +156,7 @@ def bench_update(args, dtype: str, prompts_all: list[list[int]], repeats: int = 
     times: dict[str, list[float]] = {k: [] for k in ("pause", "copy", "update", "repack", "reload")}
     try:
         for _ in range(repeats):
-            busy = [engine.submit(p, Sampling(temperature=1.0, max_new_tokens=args.new_tokens), None)
+            busy = [engine.submit(p, Sampling(temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True), None)
                     for p in prompts_all[:16]]
             wait_for_first_token(engine, busy)
             t0 = time.perf_counter()
@@ -191,6 +196,55 @@ def bench_update(args, dtype: str, prompts_all: list[list[int]], repeats: int = 
          repeats=repeats, parameters=len(params),
          update_bytes=sum(t.numel() * t.element_size() for t in params.values()), threads=args.threads,
          linear_path=path, load_average=load_average())
+
+
+def make_prefix(model: str, tokens: int) -> list[int]:
+    """An agent-sized shared prefix: a system prompt with tool schemas (as OpenClaw sends every turn), `tokens` long."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tool = ('{"name": "tool_%d", "description": "Reads, writes or searches files in the workspace and returns what it '
+            'found as text.", "parameters": {"type": "object", "properties": {"path": {"type": "string"}, '
+            '"query": {"type": "string"}}, "required": ["path"]}}\n')
+    text, ids = "You are a coding agent. You can call these tools:\n", []
+    while len(ids) < tokens:
+        text += "".join(tool % i for i in range(len(text) // 200, len(text) // 200 + 8))
+        ids = tokenizer.encode(text)
+    return ids[:tokens]
+
+
+def bench_prefix(args, dtype: str, repeats: int = 3) -> None:
+    """One request (prefix + a question, one new token: its time is the prefill) with the prefix cache emptied
+    (`cold_seconds`), then one with another question after it (`warm_seconds`: the prefix's KV reused), alternated
+    `repeats` times; medians and `warm_over_cold` (the target is <= 0.1)."""
+    from services.rollout.engines.sequence import Sampling
+
+    prefix = make_prefix(args.model, args.prefix_tokens)
+    questions = make_prompts(args.model, 2 * repeats)
+    engine = build_embedded(args.model, dtype, args.threads, max_batch=16,
+                            max_context=args.prefix_tokens + max(len(q) for q in questions) + 8, prefix_cache_mb=1024)
+    one = Sampling(temperature=1.0, max_new_tokens=1)
+
+    def seconds(prompt: list[int]) -> float:
+        t0 = time.perf_counter()
+        asyncio.run(asyncio.wait_for(engine.generate(prompt, one), 600))
+        return time.perf_counter() - t0
+
+    cold, warm = [], []
+    try:
+        assert engine.runner.prefix is not None
+        seconds(questions[0])  # warm-up: the first step packs the weights
+        for r in range(repeats):
+            engine.runner.prefix.clear()
+            cold.append(seconds(prefix + questions[2 * r]))
+            warm.append(seconds(prefix + questions[2 * r + 1]))
+        hit, looked_up = engine.stats.prefix_cache_hit_tokens, engine.stats.prefix_cache_lookup_tokens
+    finally:
+        engine.stop()
+    c, w = statistics.median(cold), statistics.median(warm)
+    line(case="prefix_cache", engine="embedded", dtype=dtype, prefix_tokens=len(prefix), cold_seconds=c,
+         warm_seconds=w, warm_over_cold=w / c, target_warm_over_cold=0.1, hit_tokens=hit, lookup_tokens=looked_up,
+         repeats=repeats, threads=args.threads, load_average=load_average())
 
 
 def wait_for_first_token(engine, busy: list, timeout: float = 120.0) -> None:
@@ -351,6 +405,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-update", dest="update", action="store_false", help="skip the weight-update line")
     parser.add_argument("--no-generate", dest="generate", action="store_false",
                         help="the embedded engine's weight-update lines only")
+    parser.add_argument("--prefix-tokens", type=int, default=3072,
+                        help="the prefix-cache case's shared prefix (0: skip the case)")
     parser.add_argument("--vllm-venv", default=str(DEFAULT_VLLM))
     parser.add_argument("--vllm-port", type=int, default=0, help="0: a free port")
     parser.add_argument("--vllm-start-timeout", type=float, default=400.0)

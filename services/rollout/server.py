@@ -48,6 +48,11 @@ from services.rollout.workflows.single_turn import sampling_from_proto, to_traje
 TRAJECTORIES = prometheus_client.Counter("meshrl_rollout_trajectories_total", "Trajectories published")
 TOKENS = prometheus_client.Gauge("meshrl_rollout_tokens_generated", "Tokens generated")
 VERSION = prometheus_client.Gauge("meshrl_rollout_policy_version", "Policy version served")
+PREFIX_LOOKUP = prometheus_client.Gauge("meshrl_rollout_prefix_cache_lookup_tokens",
+                                        "Prompt tokens of the contexts prefilled (engines with a prefix cache)")
+PREFIX_HIT = prometheus_client.Gauge("meshrl_rollout_prefix_cache_hit_tokens",
+                                     "Prompt tokens whose KV came from the prefix cache")
+PREFIX_BYTES = prometheus_client.Gauge("meshrl_rollout_prefix_cache_bytes", "Bytes of KV the prefix cache holds")
 
 
 class Rollout:
@@ -137,11 +142,15 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             waiting_sequences=e.num_waiting(), trajectories_published=self.r.published,
             tokens_generated=e.stats.tokens_generated, weight_updates=e.stats.weight_updates,
             interrupted_sequences=e.stats.interrupted_sequences, engine=e.kind,
-            dead_letters=self.r.dead_letters.counts)
+            dead_letters=self.r.dead_letters.counts, prefix_cache_lookup_tokens=e.stats.prefix_cache_lookup_tokens,
+            prefix_cache_hit_tokens=e.stats.prefix_cache_hit_tokens)
 
 
 async def serve(config: RolloutConfig, stop: asyncio.Event) -> None:
     engine = config.engine.build(run_dir=config.run_dir)
+    PREFIX_LOOKUP.set_function(lambda: engine.stats.prefix_cache_lookup_tokens)  # read at each scrape
+    PREFIX_HIT.set_function(lambda: engine.stats.prefix_cache_hit_tokens)
+    PREFIX_BYTES.set_function(lambda: engine.stats.prefix_cache_bytes)
     await asyncio.to_thread(engine.start)  # a server engine takes minutes to start: the event loop stays free
     async with ServiceRuntime(config, stop) as runtime:
         runtime.when_drained(engine.stop)  # aborts what is left after the drain; those handlers nak their work

@@ -16,7 +16,7 @@ from tests.rollout.test_engine_cpu_paths import AVX2_ONLY
 
 def test_embedded_lines_the_update_line_and_vllm_skipped(tmp_path, capsys, tiny_qwen3):
     bench_engine.main(["--model", str(tiny_qwen3), "--concurrency", "2", "4", "--new-tokens", "5", "--threads", "1",
-                       "--vllm-venv", str(tmp_path / "no-venv")])
+                       "--prefix-tokens", "64", "--vllm-venv", str(tmp_path / "no-venv")])
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     gen = [x for x in lines if x["case"] == "generate" and x["engine"] == "embedded"]
     assert [(x["dtype"], x["concurrency"]) for x in gen] == [("float32", 2), ("float32", 4), ("bfloat16", 2),
@@ -30,6 +30,11 @@ def test_embedded_lines_the_update_line_and_vllm_skipped(tmp_path, capsys, tiny_
     assert [x["dtype"] for x in updates] == ["float32", "bfloat16"]
     assert all(x["update_seconds"] > 0 and x["reload_seconds"] > 0 and x["restart_seconds"] > 0
                and x["repack_seconds"] >= 0 for x in updates)
+    prefix = [x for x in lines if x["case"] == "prefix_cache"]
+    assert [x["dtype"] for x in prefix] == ["float32", "bfloat16"]
+    for x in prefix:   # each warm request reused the whole 64-token prefix; the cold ones found nothing
+        assert x["prefix_tokens"] == 64 and x["hit_tokens"] == x["repeats"] * 64
+        assert x["cold_seconds"] > 0 and x["warm_seconds"] > 0 and x["warm_over_cold"] > 0
     [vllm] = [x for x in lines if x["engine"] == "vllm"]
     assert "no vLLM venv" in vllm["skipped"]
 

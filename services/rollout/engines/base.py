@@ -33,6 +33,9 @@ class EngineStats:
     steps_failed: int = 0
     steps: int = 0
     busy_seconds: float = 0.0
+    prefix_cache_lookup_tokens: int = 0  # prompt tokens of the contexts prefilled (engines with a prefix cache)
+    prefix_cache_hit_tokens: int = 0     # ... whose KV came from the prefix cache instead of the model
+    prefix_cache_bytes: int = 0
 
 
 class EngineUnhealthy(RuntimeError):

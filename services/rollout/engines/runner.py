@@ -25,6 +25,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from services.common.cpu_features import native_bf16, onednn_linear
+from services.rollout.engines.prefix_cache import PrefixCache
 from services.rollout.engines.sampler import sample
 from services.rollout.engines.scheduler import Step
 from services.rollout.engines.sequence import Sequence
@@ -138,7 +139,8 @@ def _packed_forward(m: torch.nn.Linear, state: list, compute: torch.dtype | None
 
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, *, pad_token_id: int, seed: int, prepack: bool = True) -> None:
+    def __init__(self, model: PreTrainedModel, *, pad_token_id: int, seed: int, prepack: bool = True,
+                 prefix_cache_bytes: int = 0) -> None:
         self.model = model.eval()
         self.device = next(model.parameters()).device  # every tensor of the engine lives here
         params = next(model.parameters())
@@ -153,6 +155,7 @@ class ModelRunner:
         self._last: torch.Tensor | None = None       # [rows], each row's last sampled token
         self.prefilled_rows = 0                      # rows whose whole context went through the model
         self.prefilled_contexts = 0                  # ... counted once per distinct context (shared prompts)
+        self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
 
     @torch.inference_mode()
     def run(self, step: Step) -> tuple[list[int], list[float]]:
@@ -175,6 +178,8 @@ class ModelRunner:
         """The parameters were written (in place, possibly as raw bytes): derived copies are rebuilt before use."""
         if self.packed is not None:
             self.packed.invalidate()
+        if self.prefix is not None:
+            self.prefix.clear()  # KV computed under the old weights
 
     # full prefill -------------------------------------------------------------------------------------------
     def _full(self, rows: list[Sequence]) -> torch.Tensor:
@@ -182,32 +187,61 @@ class ModelRunner:
         return logits
 
     def _prefill(self, rows: list[Sequence]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Run each distinct context once (the samples of one prompt share it), then give every row its copy."""
+        """Run each distinct context once (the samples of one prompt share it), then give every row its copy.
+        With a prefix cache, contexts that start with a stored prefix compute only the rest (grouped by the
+        prefix's length, so each group is one batch), and each context's own prefix is stored afterwards."""
         distinct: dict[tuple[int, ...], int] = {}
         row_of = [distinct.setdefault(tuple(s.context), len(distinct)) for s in rows]
         contexts = list(distinct)
-        width = max(len(c) for c in contexts)
-        ids = torch.full((len(contexts), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(contexts), width), dtype=torch.long)
+        groups: dict[int, list[int]] = {}   # cached prefix length -> contexts
+        prefixes: list[list | None] = [None] * len(contexts)
         for i, ctx in enumerate(contexts):
-            ids[i, width - len(ctx):] = torch.tensor(ctx)
-            mask[i, width - len(ctx):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)  # built on the host, moved once
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                         cache=cache, use_cache=True, logits_to_keep=1)
-        logits = out.logits[:, -1, :]
+            hit, prefixes[i] = self.prefix.lookup(ctx) if self.prefix is not None else (0, None)
+            groups.setdefault(hit, []).append(i)
+        parts = [self._forward([contexts[i] for i in members], hit, [prefixes[i] for i in members])
+                 for hit, members in groups.items()]
+        order = [i for members in groups.values() for i in members]
+        cache, mask, positions, logits = parts[0] if len(parts) == 1 else _concat(parts)
         for layer in cache.layers:  # plain layers grow in place from now on
             if type(layer) is DynamicLayer:
                 layer.__class__ = SlackLayer
+        if self.prefix is not None and not all(type(layer) is SlackLayer for layer in cache.layers):
+            self.prefix = None  # sliding windows or recurrent states: a prefix's KV is not a plain per-layer slice
+        if self.prefix is not None:
+            for slot, i in enumerate(order):
+                self.prefix.insert(contexts[i], functools.partial(_row_kv, cache, mask, slot))
         self.prefilled_rows += len(rows)
         self.prefilled_contexts += len(contexts)
-        if len(contexts) < len(rows):
-            index = torch.tensor(row_of, device=self.device)
-            cache.batch_select_indices(index)
-            mask, positions, logits = mask[index], positions[index], logits[index]
-        return cache, mask, positions[:, -1], logits
+        slot_of = {i: slot for slot, i in enumerate(order)}
+        index = [slot_of[c] for c in row_of]
+        if index != list(range(len(order))):
+            index_t = torch.tensor(index, device=self.device)
+            cache.batch_select_indices(index_t)
+            mask, positions, logits = mask[index_t], positions[index_t], logits[index_t]
+        return cache, mask, positions, logits
+
+    def _forward(self, contexts: list[tuple[int, ...]], hit: int, prefixes: list) -> tuple:
+        """One batch through the model: each context's tokens after its first `hit` (whose KV `prefixes` holds),
+        left-padded to a common width; the KV columns are [prefix | padding | rest], the mask 0 on the padding."""
+        width = max(len(c) for c in contexts) - hit
+        ids = torch.full((len(contexts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(contexts), hit + width), dtype=torch.long)
+        mask[:, :hit] = 1
+        for i, ctx in enumerate(contexts):
+            rest = len(ctx) - hit
+            ids[i, width - rest:] = torch.tensor(ctx[hit:])
+            mask[i, hit + width - rest:] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)  # built on the host, moved once
+        positions = ((mask.cumsum(-1) - 1).clamp(min=0))[:, hit:]
+        if hit:
+            layers = zip(*prefixes, strict=True)  # per layer: every context's (keys, values)
+            cache = DynamicCache(ddp_cache_data=[(torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv]))
+                                                 for kv in layers])
+        else:
+            cache = DynamicCache()
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                         cache=cache, use_cache=True, logits_to_keep=1)
+        return cache, mask, positions[:, -1], out.logits[:, -1, :]
 
     # decode + admit -----------------------------------------------------------------------------------------
     def _can_extend(self, step: Step) -> bool:
@@ -253,6 +287,23 @@ class ModelRunner:
             old.values = torch.cat([_left_pad(old.values, width), _left_pad(new.values, width)])
         self._mask = torch.cat([F.pad(self._mask, (width - self._mask.shape[1], 0)), F.pad(mask, (width - mask.shape[1], 0))])
         self._positions = torch.cat([self._positions, positions])
+
+
+def _concat(parts: list[tuple]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The batches of one prefill as one: rows stacked, each left-padded (masked) to the widest."""
+    width = max(mask.shape[1] for _, mask, _, _ in parts)
+    cache = parts[0][0]
+    for layer_idx, layer in enumerate(cache.layers):
+        layer.keys = torch.cat([_left_pad(p[0].layers[layer_idx].keys, width) for p in parts])
+        layer.values = torch.cat([_left_pad(p[0].layers[layer_idx].values, width) for p in parts])
+    mask = torch.cat([F.pad(m, (width - m.shape[1], 0)) for _, m, _, _ in parts])
+    return cache, mask, torch.cat([p[2] for p in parts]), torch.cat([p[3] for p in parts])
+
+
+def _row_kv(cache: DynamicCache, mask: torch.Tensor, row: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Copies of the KV of `row`'s first n tokens (its unmasked columns), for the prefix cache."""
+    cols = mask[row].nonzero().squeeze(-1)[:n]
+    return [(layer.keys[row].index_select(1, cols), layer.values[row].index_select(1, cols)) for layer in cache.layers]
 
 
 def _left_pad(kv: torch.Tensor, width: int) -> torch.Tensor:

@@ -53,11 +53,14 @@ class EngineConfig:
     device: str = "cpu"          # cpu | cuda | npu, or cuda:N / npu:N: weights, KV cache and sampling live there
     dtype: str = "float32"       # float32 | bfloat16: the weights and KV cache (weight sync casts what arrives to it)
     prepack: bool = True         # CPU: linear layers run on oneDNN-prepacked copies of their weights (faster, 2x memory)
+    prefix_cache_mb: int = 512   # KV of prompt prefixes kept across requests (LRU, cleared at weight updates); 0: off
 
     def __post_init__(self) -> None:
         check_device(self.device)
         if self.dtype not in DTYPES:
             raise FieldError("engine.dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if isinstance(self.prefix_cache_mb, bool) or not isinstance(self.prefix_cache_mb, int) or self.prefix_cache_mb < 0:
+            raise FieldError("engine.prefix_cache_mb", f"must be an integer >= 0 (0: off), got {self.prefix_cache_mb!r}")
 
     def build(self) -> EmbeddedEngine:
         # This thread only loads; the engine's own thread runs the model with torch_threads (see _loop). A second
@@ -72,7 +75,7 @@ class EngineConfig:
                               pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
                               max_batch=self.max_batch, max_context=self.max_context, seed=self.seed,
                               version=self.initial_version, prepack=self.prepack,
-                              torch_threads=self.torch_threads)
+                              torch_threads=self.torch_threads, prefix_cache_bytes=self.prefix_cache_mb << 20)
         get_logger().info("engine_built", dtype=self.dtype, device=str(device), linear_path=engine.runner.linear_path,
                           **(describe() if device.type == "cpu" else {}))
         return engine
@@ -83,12 +86,13 @@ class EmbeddedEngine:
 
     def __init__(self, model: PreTrainedModel, *, eos_token_id: int, pad_token_id: int, max_batch: int,
                  max_context: int, seed: int, version: int = 0, prepack: bool = True,
-                 torch_threads: int = 1) -> None:
+                 torch_threads: int = 1, prefix_cache_bytes: int = 0) -> None:
         self.model = model
         self.version = version
         self.scheduler = Scheduler(max_batch=max_batch, eos_token_id=eos_token_id, max_context=max_context)
         self.vocab_size = _vocab_size(model)
-        self.runner = ModelRunner(model, pad_token_id=pad_token_id, seed=seed, prepack=prepack)
+        self.runner = ModelRunner(model, pad_token_id=pad_token_id, seed=seed, prepack=prepack,
+                                  prefix_cache_bytes=prefix_cache_bytes)
         self.stats = EngineStats()
         self.torch_threads = torch_threads
         self._cv = threading.Condition()
@@ -244,6 +248,7 @@ class EmbeddedEngine:
                 self.stats.tokens_generated += active
                 self._count(done)
                 self.stats.busy_seconds += time.perf_counter() - started
+                self._count_prefix_cache()
             for seq in done:
                 self._finish(seq)
 
@@ -292,6 +297,13 @@ class EmbeddedEngine:
         self.stats.sequences_failed += len(ended)
         self._count(ended)
         return ended
+
+    def _count_prefix_cache(self) -> None:  # under the lock
+        cache = self.runner.prefix
+        if cache is not None:
+            self.stats.prefix_cache_lookup_tokens = cache.stats.lookup_tokens
+            self.stats.prefix_cache_hit_tokens = cache.stats.hit_tokens
+            self.stats.prefix_cache_bytes = cache.bytes
 
     def _count(self, done: list[Sequence]) -> None:  # under the lock
         self.stats.sequences_finished += len(done)

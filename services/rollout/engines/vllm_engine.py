@@ -79,6 +79,7 @@ class VLLMConfig:
     kv_cache_gib: int = 1            # VLLM_CPU_KVCACHE_SPACE (CPU builds): the KV cache, GiB
     omp_threads_bind: str = ""       # VLLM_CPU_OMP_THREADS_BIND (CPU builds), e.g. "0-1"; empty: vLLM's default (auto)
     logprobs_mode: str = "processed_logprobs"  # processed_logprobs (under temperature) | raw_logprobs (T = 1)
+    prefix_caching: bool = True      # vLLM's automatic prefix caching (its /metrics count hits; a pause clears it)
     extra_args: list[str] = dataclasses.field(default_factory=list)  # more api_server arguments, e.g. ["--enforce-eager"]
     startup_timeout: float = 600.0   # seconds for a started server to answer /health (CPU: ~2-3 min for SmolLM2)
     request_timeout: float = 600.0   # seconds a streamed request may stay silent
@@ -253,7 +254,8 @@ class VLLMEngine(ServerEngine):
                 "--host", c.host, "--port", str(port), "--dtype", self.dtype,
                 "--max-model-len", str(self._max_context), "--max-num-seqs", str(self.max_batch),
                 "--seed", str(self.seed), "--enable-scale-out", "--logprobs-mode", c.logprobs_mode,
-                "--served-model-name", "meshrl-policy", "--disable-uvicorn-access-log"]
+                "--served-model-name", "meshrl-policy", "--disable-uvicorn-access-log",
+                "--enable-prefix-caching" if c.prefix_caching else "--no-enable-prefix-caching"]
         if self.config.weight_updates:
             args += ["--worker-extension-cls", WORKER_EXTENSION]
         args += list(c.extra_args)

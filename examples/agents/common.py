@@ -33,7 +33,8 @@ _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, as
         ast.USub: operator.neg, ast.UAdd: operator.pos}
 
 
-def arguments(description: str) -> argparse.Namespace:
+def arguments(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    """The example agents' flags; `extra` adds an agent's own."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--base-url", default=os.environ.get("MESHRL_GATEWAY_URL", "http://127.0.0.1:8000"),
                    help="the gateway (the OpenAI base URL is <base-url>/v1)")
@@ -54,6 +55,8 @@ def arguments(description: str) -> argparse.Namespace:
     p.add_argument("--task", choices=sorted(TASKS), default="calculator",
                    help="calculator: multi-turn with the calculator tool (make run-agent); addition: 'a+b=' answered "
                         "in one turn without tools")
+    if extra is not None:
+        extra(p)
     args = p.parse_args()
     if args.api_key and args.parallel > 1:
         p.error("--parallel: a fixed --api-key plays one episode at a time (starting it again ends the last one)")

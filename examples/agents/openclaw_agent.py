@@ -12,6 +12,7 @@ the gateway as the episode's reward.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import signal
@@ -56,7 +57,7 @@ def run_episode(binary: Path, config: dict, message: str, model: str, timeout: f
         proc = subprocess.Popen([str(binary), "agent", "exec", message, "--config", str(home / "config.json"),
                                  "--model", f"{PROVIDER}/{model}", "--cwd", str(work), "--json", "--code-mode", "direct"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_die_with_agent)
         _RUNNING.add(proc)
         try:
             out, err = proc.communicate(timeout=timeout)
@@ -75,6 +76,12 @@ def run_episode(binary: Path, config: dict, message: str, model: str, timeout: f
     if not result.get("ok"):
         raise RuntimeError(f"openclaw reports a failed episode: {json.dumps(result)[:2000]}")
     return result
+
+
+def _die_with_agent() -> None:
+    """In the child before exec: SIGKILL when this agent dies, even by SIGKILL (Linux PR_SET_PDEATHSIG)."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

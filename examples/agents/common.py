@@ -179,6 +179,7 @@ def play(args: argparse.Namespace, make_client, episode) -> None:
     lock = threading.Lock()
 
     def one(key: str, task_id: str, question: str, expected: float) -> None:
+        started_at = time.monotonic()
         answer, turns, tools = episode(make_client(key), args.model, question, args.max_turns, args.max_tokens,
                                        system=spec.system, use_tools=spec.tools)
         value = reward(answer, expected)
@@ -187,7 +188,8 @@ def play(args: argparse.Namespace, make_client, episode) -> None:
             rewards.append(value)
             record = {"episode": len(rewards), "task_id": task_id, "turns": turns, "tool_calls": tools,
                       "reward": value, "mean_reward_last_20": sum(rewards[-20:]) / len(rewards[-20:]),
-                      "trajectories": ended.get("trajectories")}
+                      "trajectories": ended.get("trajectories"),
+                      "seconds": round(time.monotonic() - started_at, 2)}
             # one write with its newline: agents sharing a log file (make run-agent) never split each other's lines
             sys.stdout.write(json.dumps(record) + "\n")
             sys.stdout.flush()

@@ -25,11 +25,11 @@ from services.rollout.gateway.config import ensure_admin_key  # noqa: E402
 from services.trainer.models.tiny_qwen3 import TinyQwen3Config, build_tokenizer, padded_vocab_size  # noqa: E402
 
 
-def engine_and_tokenizer(model_path: str | None, max_context: int):
+def engine_and_tokenizer(model_path: str | None, max_context: int, prefix_cache_mb: int = 512):
     if model_path:
         from transformers import AutoTokenizer
 
-        engine = EngineConfig(model_path=model_path, max_context=max_context).build()
+        engine = EngineConfig(model_path=model_path, max_context=max_context, prefix_cache_mb=prefix_cache_mb).build()
         return engine, AutoTokenizer.from_pretrained(model_path)
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -41,7 +41,7 @@ def engine_and_tokenizer(model_path: str | None, max_context: int):
 
 
 async def main(args: argparse.Namespace) -> None:
-    engine, tok = engine_and_tokenizer(args.model_path, args.max_context)
+    engine, tok = engine_and_tokenizer(args.model_path, args.max_context, args.prefix_cache_mb)
     engine.start()
 
     async def publish(traj) -> None:
@@ -70,5 +70,7 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-context", type=int, default=4096)
     parser.add_argument("--max-tokens-cap", type=int, default=256)
+    parser.add_argument("--prefix-cache-mb", type=int, default=512,
+                        help="the engine's prefix cache (with --model-path); 0 turns it off")
     parser.add_argument("--run-dir", default="runs/dev-gateway", help="where a generated admin key is kept")
     asyncio.run(main(parser.parse_args()))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import pathlib
+import shlex
 import subprocess
 import sys
 import threading
@@ -13,34 +14,47 @@ import time
 from launcher.processes import popen
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+AGENTS_DIR = ROOT / "examples" / "agents"
+
+
+def agent_command(entry: str) -> tuple[pathlib.Path, list[str]]:
+    """A run file's `agents` entry: a script in examples/agents, then that agent's own arguments
+    ("code_agent.py --task functions"); ValueError when the script is not there."""
+    script, *own = shlex.split(entry)
+    path = AGENTS_DIR / script
+    if pathlib.Path(script).name != script or not path.is_file():
+        known = ", ".join(sorted(p.name for p in AGENTS_DIR.glob("*_agent.py")))
+        raise ValueError(f"no agent script {script!r} in examples/agents (known: {known})")
+    return path, own
 
 
 class AgentDriver:
     """Runs every configured agent script at once, each in a loop of fresh processes, until stopped."""
 
     def __init__(self, scripts: list[str], args: list[str], *, gateway_url: str, log_path: pathlib.Path) -> None:
-        self.scripts = [ROOT / "examples" / "agents" / s for s in scripts]
+        self.commands = [agent_command(s) for s in scripts]
         self.args = [str(a) for a in args]
         self.gateway_url = gateway_url
         self.log_path = log_path
         self.episodes_run = 0
         self._stop = threading.Event()
         self._procs: dict[int, subprocess.Popen] = {}
-        self._threads = [threading.Thread(target=self._loop, args=(i, script), name=f"agent-{i}", daemon=True)
-                         for i, script in enumerate(self.scripts)]
+        self._threads = [threading.Thread(target=self._loop, args=(i, *command), name=f"agent-{i}", daemon=True)
+                         for i, command in enumerate(self.commands)]
 
     def start(self) -> None:
         for thread in self._threads:
             thread.start()
 
-    def _loop(self, index: int, script: pathlib.Path) -> None:
+    def _loop(self, index: int, script: pathlib.Path, own: list[str]) -> None:
         with open(self.log_path, "ab") as log:
             for run in itertools.count():
                 if self._stop.is_set():
                     return
-                seed = run * len(self.scripts) + index  # every process plays different tasks
+                seed = run * len(self.commands) + index  # every process plays different tasks
                 self._procs[index] = popen(
-                    [sys.executable, str(script), "--base-url", self.gateway_url, "--seed", str(seed), *self.args],
+                    [sys.executable, str(script), "--base-url", self.gateway_url, "--seed", str(seed), *self.args,
+                     *own],  # the agent's own arguments last: they win over the run's shared agent_args
                     cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
                 self._procs[index].wait()
                 self.episodes_run += 1

@@ -10,7 +10,14 @@ from google.protobuf.json_format import MessageToDict
 
 from launcher.phases import phase_report
 from launcher.telemetry import Telemetry
-from services.common.contracts import builder_pb2_grpc, common_pb2, data_pb2, rollout_pb2_grpc, trainer_pb2_grpc
+from services.common.contracts import (
+    builder_pb2_grpc,
+    common_pb2,
+    data_pb2,
+    reward_pb2_grpc,
+    rollout_pb2_grpc,
+    trainer_pb2_grpc,
+)
 
 # held-out accuracy this far (absolute) below the run's first evaluation: said in the progress line and the summary
 ACCURACY_DROP_WARNING = 0.15
@@ -81,7 +88,7 @@ class EventLog:
 def _statuses(stack) -> dict:
     out = {}
     stubs = {"builder": builder_pb2_grpc.BuilderServiceStub, "trainer": trainer_pb2_grpc.TrainerServiceStub,
-             "rollout": rollout_pb2_grpc.RolloutServiceStub}
+             "rollout": rollout_pb2_grpc.RolloutServiceStub, "reward": reward_pb2_grpc.RewardServiceStub}
     token = getattr(stack, "operator_token", "")  # a launched stack's operator token
     metadata = (("authorization", f"Bearer {token}"),) if token else None
     for service, stub in stubs.items():

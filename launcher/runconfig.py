@@ -81,7 +81,8 @@ class RunConfig:
     dataset: dict[str, Any] | None = None  # the builder's `dataset` (services.builder.dataset.DatasetConfig)
     timeout_seconds: float = 900.0       # the whole run
     startup_timeout_seconds: float = 300.0  # until every service serves (a real model loads slowly)
-    agents: list[str] = dataclasses.field(default_factory=list)      # examples/agents scripts driven through the gateway
+    # examples/agents scripts driven through the gateway, each optionally with its own arguments ("x.py --task y")
+    agents: list[str] = dataclasses.field(default_factory=list)
     agent_args: list[str] = dataclasses.field(default_factory=list)
     services: Sections = dataclasses.field(default_factory=Sections)
 
@@ -92,6 +93,13 @@ class RunConfig:
             from services.common.device import check_device
 
             check_device(self.device)
+        for i, entry in enumerate(self.agents):
+            from launcher.agents import agent_command
+
+            try:
+                agent_command(entry)
+            except ValueError as exc:
+                raise FieldError(f"agents[{i}]", str(exc)) from None
         if self.timeout_seconds <= 0 or self.startup_timeout_seconds <= 0:
             raise ValueError("timeout_seconds / startup_timeout_seconds: must be > 0")
         if self.dataset is not None:

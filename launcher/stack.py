@@ -315,6 +315,7 @@ class Stack:
         if service in ("builder", "reward", "trainer"):
             wiring["model_path"] = str(model_path)
         if service == "rollout":
+            wiring["reward_address"] = self.address("reward")
             wiring["gateway"] = {"port": self.ports["gateway"]}
             wiring["engine"] = {"model_path": str(model_path)}
         return wiring

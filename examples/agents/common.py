@@ -23,6 +23,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 SYSTEM = ("You are a careful arithmetic assistant. Use the calculator tool for every computation, then reply with "
           "'Answer: <number>'.")
@@ -33,8 +34,10 @@ _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, as
         ast.USub: operator.neg, ast.UAdd: operator.pos}
 
 
-def arguments(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
-    """The example agents' flags; `extra` adds an agent's own."""
+def arguments(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None,
+              tasks: dict | None = None) -> argparse.Namespace:
+    """The example agents' flags; `extra` adds an agent's own, `tasks` replaces the arithmetic ones."""
+    tasks = TASKS if tasks is None else tasks
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--base-url", default=os.environ.get("MESHRL_GATEWAY_URL", "http://127.0.0.1:8000"),
                    help="the gateway (the OpenAI base URL is <base-url>/v1)")
@@ -52,9 +55,8 @@ def arguments(description: str, extra: Callable[[argparse.ArgumentParser], None]
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="meshrl-policy")
-    p.add_argument("--task", choices=sorted(TASKS), default="calculator",
-                   help="calculator: multi-turn with the calculator tool (make run-agent); addition: 'a+b=' answered "
-                        "in one turn without tools")
+    p.add_argument("--task", choices=sorted(tasks), default=next(iter(tasks)),
+                   help="; ".join(f"{name}: {spec.help}" for name, spec in tasks.items()))
     if extra is not None:
         extra(p)
     args = p.parse_args()
@@ -97,12 +99,15 @@ def addition_task(rng: random.Random) -> tuple[str, str, float]:
 
 @dataclasses.dataclass(frozen=True)
 class TaskSpec:
-    make: Callable[[random.Random], tuple[str, str, float]]
+    make: Callable[[random.Random], tuple[str, str, Any]]  # (task id, question, expected answer or grading)
     system: str | None   # system prompt
-    tools: bool          # offer the calculator tool
+    tools: bool          # offer the agent's tools
+    help: str = ""
+    graded: bool = False  # `make` gives the session's grading: the reward service scores the episode, not the agent
 
 
-TASKS = {"calculator": TaskSpec(task, SYSTEM, True), "addition": TaskSpec(addition_task, None, False)}
+TASKS = {"calculator": TaskSpec(task, SYSTEM, True, "multi-turn with the calculator tool (make run-agent)"),
+         "addition": TaskSpec(addition_task, None, False, "'a+b=' answered in one turn without tools")}
 
 
 def calculate(expression: str) -> float:
@@ -132,6 +137,30 @@ def run_tool(name: str, args: dict | str) -> str:
     return str(int(value)) if float(value).is_integer() else str(value)
 
 
+def chat_episode(client, model: str, question: str, max_turns: int, max_tokens: int, *, system: str | None,
+                 tools: list[dict] | None, run: Callable[[str, dict | str], str]) -> tuple[str, int, int]:
+    """One episode with an OpenAI-SDK client: call the model, run its tool calls with `run(name, arguments)`
+    (arguments as parsed JSON, or the raw text when it is not JSON), until it answers without one. Returns
+    (final answer text, model calls, tool calls)."""
+    messages: list[dict] = [*([{"role": "system", "content": system}] if system else []),
+                            {"role": "user", "content": question}]
+    calls = 0
+    for turn in range(1, max_turns + 1):
+        message = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+                                                 **({"tools": tools} if tools else {})).choices[0].message
+        messages.append(message.model_dump(exclude_none=True))  # sent back verbatim: the gateway reuses its tokens
+        if not message.tool_calls:
+            return message.content or "", turn, calls
+        for call in message.tool_calls:
+            calls += 1
+            try:
+                args = json.loads(call.function.arguments)
+            except ValueError:
+                args = call.function.arguments
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": run(call.function.name, args)})
+    return "", max_turns, calls
+
+
 def reward(answer: str, expected: float) -> float:
     """1 for the right number after 'Answer:' (or the last number), 0.1 for a well-formed wrong one, else 0."""
     found = re.findall(r"Answer:\s*(-?\d+(?:\.\d+)?)", answer) or re.findall(r"-?\d+(?:\.\d+)?", answer)
@@ -147,19 +176,23 @@ def post(base_url: str, path: str, key: str, body: dict) -> dict:
         return json.loads(resp.read() or b"{}")
 
 
-def start_sessions(args: argparse.Namespace, task_id: str) -> list[str]:
-    """Session keys for one task: a group of fresh keys, or the fixed --api-key started again."""
+def start_sessions(args: argparse.Namespace, task_id: str, grading: dict | None = None) -> list[str]:
+    """Session keys for one task: a group of fresh keys, or the fixed --api-key started again. `grading`: the
+    verifier and its data (the reward service then grades each episode's last answer)."""
+    body: dict[str, Any] = {"task_id": task_id, **({"grading": grading} if grading else {})}
     if args.api_key:
-        post(args.base_url, "/rl/start_session", args.admin_key, {"task_id": task_id, "api_key": args.api_key})
+        post(args.base_url, "/rl/start_session", args.admin_key, {**body, "api_key": args.api_key})
         return [args.api_key]
-    group = post(args.base_url, "/rl/start_session", args.admin_key, {"task_id": task_id, "group_size": args.group_size})
+    group = post(args.base_url, "/rl/start_session", args.admin_key, {**body, "group_size": args.group_size})
     return [s["api_key"] for s in group["sessions"]]
 
 
-def finish(args: argparse.Namespace, key: str, value: float, *, attempts: int = 10) -> dict:
-    """Report the reward and end the session. A 503 from end_session means the export is not yet stored: the
-    session stays open and the same call, again after Retry-After, waits for that same export."""
-    post(args.base_url, "/rl/set_reward", key, {"reward": value})
+def finish(args: argparse.Namespace, key: str, value: float | None, *, attempts: int = 10) -> dict:
+    """Report the reward (None: a graded session, the verifier's) and end the session. A 503 from end_session
+    means the export is not yet stored: the session stays open and the same call, again after Retry-After, waits
+    for that same export."""
+    if value is not None:
+        post(args.base_url, "/rl/set_reward", key, {"reward": value})
     for _ in range(attempts - 1):
         try:
             return post(args.base_url, "/rl/end_session", key, {})
@@ -170,24 +203,27 @@ def finish(args: argparse.Namespace, key: str, value: float, *, attempts: int = 
     return post(args.base_url, "/rl/end_session", key, {})
 
 
-def play(args: argparse.Namespace, make_client, episode) -> None:
+def play(args: argparse.Namespace, make_client, episode, tasks: dict | None = None) -> None:
     """Run `args.episodes` episodes, `args.parallel` at a time: a session per group member, the agent's turns, the
-    reward, one JSON line each."""
+    reward (the agent's own, or its verifier's for a graded task), one JSON line each."""
     rng = random.Random(args.seed)
-    spec = TASKS[args.task]
+    spec = (TASKS if tasks is None else tasks)[args.task]
     rewards: list[float] = []
+    episodes: list[int] = []
     lock = threading.Lock()
 
-    def one(key: str, task_id: str, question: str, expected: float) -> None:
+    def one(key: str, task_id: str, question: str, expected: Any) -> None:
         started_at = time.monotonic()
         answer, turns, tools = episode(make_client(key), args.model, question, args.max_turns, args.max_tokens,
                                        system=spec.system, use_tools=spec.tools)
-        value = reward(answer, expected)
+        value = None if spec.graded else reward(answer, expected)
         ended = finish(args, key, value)
         with lock:
-            rewards.append(value)
-            record = {"episode": len(rewards), "task_id": task_id, "turns": turns, "tool_calls": tools,
-                      "reward": value, "mean_reward_last_20": sum(rewards[-20:]) / len(rewards[-20:]),
+            episodes.append(1)
+            rewards.extend([] if value is None else [value])
+            graded = {"graded_by": expected["verifier"]} if spec.graded else \
+                {"reward": value, "mean_reward_last_20": sum(rewards[-20:]) / len(rewards[-20:])}
+            record = {"episode": len(episodes), "task_id": task_id, "turns": turns, "tool_calls": tools, **graded,
                       "trajectories": ended.get("trajectories"),
                       "seconds": round(time.monotonic() - started_at, 2)}
             # one write with its newline: agents sharing a log file (make run-agent) never split each other's lines
@@ -200,7 +236,7 @@ def play(args: argparse.Namespace, make_client, episode) -> None:
         while started < args.episodes or pending:
             while started < args.episodes and len(pending) < args.parallel:
                 task_id, question, expected = spec.make(rng)
-                for key in start_sessions(args, task_id):  # a group's sessions start together and run side by side
+                for key in start_sessions(args, task_id, expected if spec.graded else None):  # a group's sessions start together and run side by side
                     pending.add(pool.submit(one, key, task_id, question, expected))
                     started += 1
             done, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)

@@ -8,37 +8,20 @@ gateway and `api_key` is a session key. After each episode it reports its reward
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 from openai import OpenAI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SYSTEM, TOOLS, arguments, play, run_tool  # noqa: E402
+from common import SYSTEM, TOOLS, arguments, chat_episode, play, run_tool  # noqa: E402
 
 
 def episode(client: OpenAI, model: str, question: str, max_turns: int, max_tokens: int, *,
             system: str | None = SYSTEM, use_tools: bool = True) -> tuple[str, int, int]:
     """Returns (final answer text, model calls, tool calls)."""
-    messages: list[dict] = [*([{"role": "system", "content": system}] if system else []),
-                            {"role": "user", "content": question}]
-    options = {"tools": TOOLS} if use_tools else {}
-    calls = 0
-    for turn in range(1, max_turns + 1):
-        message = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
-                                                 **options).choices[0].message
-        messages.append(message.model_dump(exclude_none=True))  # sent back verbatim: the gateway reuses its tokens
-        if not message.tool_calls:
-            return message.content or "", turn, calls
-        for call in message.tool_calls:
-            calls += 1
-            try:
-                args = json.loads(call.function.arguments)
-            except ValueError:
-                args = call.function.arguments
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": run_tool(call.function.name, args)})
-    return "", max_turns, calls
+    return chat_episode(client, model, question, max_turns, max_tokens, system=system,
+                        tools=TOOLS if use_tools else None, run=run_tool)
 
 
 def main() -> None:

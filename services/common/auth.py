@@ -45,7 +45,9 @@ POLICY: dict[str, frozenset[str]] = {
     **_methods("WeightAgentService", {"Apply": ("weight_exchange",)}),
     **_methods("RolloutService", {"Generate": (OPERATOR,), "Pause": (OPERATOR,), "Resume": (OPERATOR,),
                                   "Status": (OPERATOR,)}),
-    **_methods("RewardService", {"Score": (OPERATOR,), "ListVerifiers": (OPERATOR,), "Status": (OPERATOR,)}),
+    # the gateway (in rollout) runs agents' tool calls in the sandbox and checks a graded session's verifier
+    **_methods("RewardService", {"Score": (OPERATOR,), "ListVerifiers": ("rollout", OPERATOR), "Status": (OPERATOR,),
+                                 "RunCode": ("rollout", OPERATOR)}),
     **_methods("BuilderService", {"Status": (OPERATOR,), "Pause": (OPERATOR,), "Resume": (OPERATOR,)}),
     **_methods("TrainerService", {"Status": (OPERATOR,), "Checkpoint": (OPERATOR,), "Pause": (OPERATOR,),
                                   "Resume": (OPERATOR,)}),

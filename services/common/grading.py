@@ -15,9 +15,10 @@ import msgpack
 from services.common.contracts import data_pb2
 from services.common.errors import FieldError
 
-TEXT_KEYS = ("answer", "question", "verifier", "extract")
+TEXT_KEYS = ("answer", "question", "verifier", "extract", "response")
 MAP_KEYS = ("verifier_options", "rg_entry", "row")
-KEYS = (*TEXT_KEYS, *MAP_KEYS, "shaping", "eval_round")
+KEYS = (*TEXT_KEYS, *MAP_KEYS, "shaping", "eval_round", "add_reward")
+RESPONSES = ("completion", "final_turn")  # what `response` may name (unset: the whole completion)
 
 
 def to_proto(task: Mapping[str, Any], field: str = "grading") -> data_pb2.Grading:
@@ -30,6 +31,12 @@ def to_proto(task: Mapping[str, Any], field: str = "grading") -> data_pb2.Gradin
             if not isinstance(value, str):
                 raise FieldError(f"{field}.{key}", f"must be a string, got {type(value).__name__}")
             setattr(g, key, value)
+    if g.response and g.response not in RESPONSES:
+        raise FieldError(f"{field}.response", f"must be one of {', '.join(RESPONSES)}, got {g.response!r}")
+    if task.get("add_reward") is not None:
+        if not isinstance(task["add_reward"], bool):
+            raise FieldError(f"{field}.add_reward", f"must be a boolean, got {type(task['add_reward']).__name__}")
+        g.add_reward = task["add_reward"]
     for key in MAP_KEYS:
         if task.get(key) is not None:
             setattr(g, key, _pack_map(task[key], f"{field}.{key}"))
@@ -55,6 +62,8 @@ def to_task(g: data_pb2.Grading, field: str = "grading") -> dict[str, Any]:
                            for i, t in enumerate(g.shaping)]
     if g.HasField("eval_round"):
         task["eval_round"] = g.eval_round
+    if g.add_reward:
+        task["add_reward"] = True
     return task
 
 

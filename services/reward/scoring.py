@@ -2,8 +2,9 @@
 
 The task is the trajectory's `grading` (a `Grading` message, read as the map verifiers take: `answer`, `verifier` (a
 name from the registry; else the trajectory's `verifier` field, else the service default), optional
-`verifier_options`, `extract`, `shaping` and, for reasoning-gym verifiers, `rg_entry`). Everything in it is checked before any verifier runs; a ValueError (an
-InvalidMessage for trajectories, which dead-letters them) names the field.
+`verifier_options`, `extract`, `shaping` and, for reasoning-gym verifiers, `rg_entry`; `response: final_turn` grades
+only the last run of sampled tokens, `add_reward` adds the trajectory's own reward). Everything in it is checked
+before any verifier runs; a ValueError (an InvalidMessage for trajectories, which dead-letters them) names the field.
 
 Verifiers marked `isolated` (math-verify, reasoning-gym scorers, plugins) run in worker processes with a deadline
 (`timeout_s`): a verification that passes it scores 0 with the reason "timeout". `score` blocks the calling thread
@@ -129,7 +130,7 @@ class Scorer:
 
     def score(self, traj: data_pb2.Trajectory) -> data_pb2.Trajectory:
         checked = self._check_trajectory(traj)
-        return _scored(traj, checked.name, _as_invalid(self._verify, checked))
+        return _scored(traj, checked, _as_invalid(self._verify, checked))
 
     async def score_async(self, traj: data_pb2.Trajectory) -> data_pb2.Trajectory:
         """`score` without blocking the event loop: checked on the loop, and settled there when a bounded-time
@@ -139,7 +140,7 @@ class Scorer:
             verdict = _as_invalid(self._verify, checked)
         else:
             verdict = await asyncio.to_thread(_as_invalid, self._verify, checked)
-        return _scored(traj, checked.name, verdict)
+        return _scored(traj, checked, verdict)
 
     def _check_trajectory(self, traj: data_pb2.Trajectory) -> _Checked:
         validate_trajectory(traj, self.vocab_size)
@@ -149,11 +150,12 @@ class Scorer:
             name, field = traj.verifier or self.default, "verifier"
         if not isinstance(name, str):
             raise InvalidMessage(f"{field}: must be a string, got {name!r}")
+        ids = final_turn(traj) if task.get("response") == "final_turn" else list(traj.completion_ids)
         try:
-            text = self.decode(list(traj.completion_ids))
+            text = self.decode(ids)
         except Exception as exc:  # noqa: BLE001 - whatever the tokenizer refuses, this message can never be scored
             raise InvalidMessage(f"completion_ids: cannot be decoded ({type(exc).__name__}: {exc})") from exc
-        return _as_invalid(self._check, name, text, task, n_tokens=len(traj.completion_ids), field=field)
+        return _as_invalid(self._check, name, text, task, n_tokens=len(ids), field=field)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,8 +178,23 @@ def _as_invalid(fn: Callable[..., T], *args, **kwargs) -> T:
         raise InvalidMessage(str(exc)) from exc
 
 
-def _scored(traj: data_pb2.Trajectory, verifier: str, verdict: Verdict) -> data_pb2.Trajectory:
+def final_turn(traj: data_pb2.Trajectory) -> list[int]:
+    """The last run of sampled tokens (loss mask 1): a gateway session's last answer, without what came before it
+    (earlier turns, tool results, the template's glue). A completion without a mask is all sampled."""
+    ids, mask = list(traj.completion_ids), list(traj.loss_mask) or [1] * len(traj.completion_ids)
+    end = len(mask)
+    while end > 0 and mask[end - 1] == 0:
+        end -= 1
+    start = end
+    while start > 0 and mask[start - 1] == 1:
+        start -= 1
+    return ids[start:end]
+
+
+def _scored(traj: data_pb2.Trajectory, checked: _Checked, verdict: Verdict) -> data_pb2.Trajectory:
+    """`add_reward`: the trajectory's own reward (an agent's, from the gateway) on top of the verifier's."""
     scored = data_pb2.Trajectory()
     scored.CopyFrom(traj)
-    scored.reward, scored.scored, scored.scored_at, scored.verifier = verdict.reward, True, now(), verifier
+    reward = verdict.reward + (traj.reward if checked.task.get("add_reward") else 0.0)
+    scored.reward, scored.scored, scored.scored_at, scored.verifier = reward, True, now(), checked.name
     return scored

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import prometheus_client
 from transformers import AutoTokenizer
 
@@ -22,11 +23,27 @@ from services.reward.verifiers import build_verifier, judge, verifier_names
 
 SCORED = prometheus_client.Counter("meshrl_reward_scored_total", "Trajectories scored")
 REWARD = prometheus_client.Summary("meshrl_reward_value", "Rewards given")
+RUNS = prometheus_client.Counter("meshrl_reward_code_runs_total", "Agents' programs run in the sandbox", ["status"])
+MAX_CODE_BYTES = 1 << 20
+
+
+def check_run_code(request: reward_pb2.RunCodeRequest, max_timeout_s: float) -> None:
+    """FieldError naming what a RunCode request may not carry."""
+    if not request.code.strip():
+        raise FieldError("code", "empty")
+    if len(request.code.encode()) > MAX_CODE_BYTES or len(request.stdin) > MAX_CODE_BYTES:
+        raise FieldError("code" if len(request.code.encode()) > MAX_CODE_BYTES else "stdin",
+                         f"over {MAX_CODE_BYTES} bytes")
+    if request.timeout_s < 0 or request.timeout_s > max_timeout_s:
+        raise FieldError("timeout_s", f"must be in (0, {max_timeout_s:g}] (the sandbox's limit), or unset; "
+                                      f"got {request.timeout_s:g}")
 
 
 class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
-    def __init__(self, scorer: Scorer, stats: dict[str, float], dead_letters: DeadLetterWatch) -> None:
+    def __init__(self, scorer: Scorer, stats: dict[str, float], dead_letters: DeadLetterWatch,
+                 sandbox_config: sandbox.SandboxConfig) -> None:
         self.scorer = scorer
+        self.sandbox_config = sandbox_config
         self.stats = stats
         self.dead_letters = dead_letters
 
@@ -37,6 +54,26 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         except ValueError as exc:  # it names the field: verifier, grading.<key>...
             await invalid_argument(context, field_error(exc) or FieldError("grading", str(exc)))
         return reward_pb2.ScoreReply(reward=verdict.reward, detail=verdict.detail)
+
+    async def RunCode(self, request, context):
+        """An agent's tool call in the code verifiers' own sandbox (never unsandboxed: no bwrap, no run)."""
+        try:
+            limits = self.sandbox_config.limits
+            check_run_code(request, limits.timeout_s)
+            box = await asyncio.to_thread(sandbox.shared_sandbox)
+            result = await box.run_async(request.code, request.stdin, request.language or "python",
+                                         request.timeout_s or None)
+        except ValueError as exc:
+            await invalid_argument(context, field_error(exc) or FieldError("code", str(exc)))
+        except sandbox.SandboxUnavailable as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except RuntimeError as exc:  # every slot busy past the sandbox's wait: the caller may retry
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        RUNS.labels(result.status).inc()
+        return reward_pb2.RunCodeReply(status=result.status, exit_code=result.exit_code or 0,
+                                       has_exit_code=result.exit_code is not None, stdout=result.stdout,
+                                       stderr=result.stderr, wall_seconds=result.wall_seconds,
+                                       truncated=result.truncated)
 
     async def ListVerifiers(self, request, context):
         """Built-ins, `reasoning_gym:<family>` for every reasoning-gym family, and installed plugins."""
@@ -76,7 +113,7 @@ async def _serve(config: RewardConfig, tokenizer, pool, bus: Bus, runtime: Servi
         REWARD.observe(scored.reward)
 
     dead_letters = DeadLetterWatch(bus)
-    servicer = RewardServicer(scorer, stats, dead_letters)
+    servicer = RewardServicer(scorer, stats, dead_letters, config.sandbox)
     rpc = await runtime.serve_grpc([Servicer(
         reward_pb2_grpc.add_RewardServiceServicer_to_server, servicer,
         reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name)])

@@ -60,6 +60,7 @@ class RolloutConfig(ServiceConfig):
     engine: RolloutEngineConfig = dataclasses.field(default_factory=RolloutEngineConfig)
     concurrency: int = 64  # prompt-work messages generated at once
     wx_address: str = "127.0.0.1:50055"  # weight_exchange; empty: no weight updates
+    reward_address: str = "127.0.0.1:50052"  # the gateway's /rl/run_code and graded sessions; empty: neither
     catch_up_timeout: float = 120.0  # at start, wait this long for the trainer's weights before generating anyway
     gateway_enabled: bool = False  # serve the OpenAI / Anthropic agent gateway (make up turns it on)
     gateway: GatewayConfig = dataclasses.field(default_factory=GatewayConfig)

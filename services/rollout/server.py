@@ -277,7 +277,8 @@ async def _wait_until(condition, stop: asyncio.Event, timeout: float) -> bool:
 
 
 async def _serve_gateway(config: RolloutConfig, engine: Engine, bus: Bus, stop: asyncio.Event) -> None:
-    """Agents' trajectories carry the reward they reported: they go straight to traj.scored. New agent groups
+    """Agents' trajectories carry the reward they reported: they go straight to traj.scored (a session graded by a
+    verifier's, to traj.raw; the reward service also runs agents' code, /rl/run_code). New agent groups
     are admitted under the staleness budget the builder announces on events.version."""
     from transformers import AutoTokenizer
 
@@ -285,18 +286,24 @@ async def _serve_gateway(config: RolloutConfig, engine: Engine, bus: Bus, stop: 
 
     tokenizer = AutoTokenizer.from_pretrained(config.engine.model_path)
 
-    async def publish(traj: data_pb2.Trajectory) -> None:
-        await bus.publish(SUBJECT_TRAJ_SCORED, traj, traj.trajectory_id)
+    async def publish(traj: data_pb2.Trajectory) -> None:  # a graded session's go through the reward service
+        await bus.publish(SUBJECT_TRAJ_SCORED if traj.scored else SUBJECT_TRAJ_RAW, traj, traj.trajectory_id)
 
     budget = GroupBudget()
+    reward = None
+    if config.reward_address:
+        from services.reward.client import RewardClient
+        reward = RewardClient(config.reward_address, **client_security(config))
     feed = asyncio.create_task(follow_budget(bus, budget, stop), name="gateway-budget")
     supervise([feed], stop)
     try:
-        await serve_gateway(create_app(config.gateway, engine, tokenizer, publish, budget, run_dir=config.run_dir),
-                            config.gateway, stop)
+        await serve_gateway(create_app(config.gateway, engine, tokenizer, publish, budget, run_dir=config.run_dir,
+                                       reward=reward), config.gateway, stop)
     finally:
         feed.cancel()
         await asyncio.gather(feed, return_exceptions=True)
+        if reward is not None:
+            await reward.close()
 
 
 async def follow_budget(bus: Bus, budget, stop: asyncio.Event) -> None:

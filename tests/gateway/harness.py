@@ -1,4 +1,5 @@
-"""A real gateway on loopback: uvicorn in its own thread and event loop, a real EmbeddedEngine behind it."""
+"""A real gateway on loopback: uvicorn in its own thread and event loop, a real EmbeddedEngine behind it; the
+reward service's gRPC servicer (for /rl/run_code) likewise."""
 
 from __future__ import annotations
 
@@ -11,15 +12,20 @@ from typing import Any
 import httpx
 
 from launcher.processes import free_port
+from services.common import rpc
 from services.common.bus import PayloadTooLarge
-from services.common.contracts import data_pb2
+from services.common.contracts import data_pb2, reward_pb2, reward_pb2_grpc
+from services.reward.sandbox import SandboxConfig
+from services.reward.scoring import Scorer
+from services.reward.server import RewardServicer
 from services.rollout.gateway import GatewayConfig, create_app, serve_gateway
 
 ADMIN = "test-admin-key"
 
 
 class GatewayServer:
-    def __init__(self, engine: Any, tokenizer: Any, *, admin_key: str = ADMIN, run_dir: Any = None, **config: Any) -> None:
+    def __init__(self, engine: Any, tokenizer: Any, *, admin_key: str = ADMIN, run_dir: Any = None, reward: Any = None,
+                 **config: Any) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.published: list[data_pb2.Trajectory] = []
@@ -27,7 +33,7 @@ class GatewayServer:
         self.max_payload = 0                 # > 0: a trajectory over this many bytes is refused as the bus does
         self.hold_publish = threading.Event()  # set: publishes wait (a slow bus) until it is cleared (at most 60 s)
         self.config = GatewayConfig(port=free_port(), admin_key=admin_key, **config)
-        self.app = create_app(self.config, engine, tokenizer, self._publish, run_dir=run_dir)
+        self.app = create_app(self.config, engine, tokenizer, self._publish, run_dir=run_dir, reward=reward)
         self.gateway = self.app.state.gateway
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -103,3 +109,38 @@ class GatewayServer:
         r = self.admin("GET", f"/rl/sessions/{session_id}")
         assert r.status_code == 200, r.text
         return r.json()
+
+
+class RewardServer:
+    """The reward service's gRPC servicer (its real Scorer and sandbox) on loopback, in a thread of its own."""
+
+    def __init__(self) -> None:
+        self.address = ""
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+
+        async def start():
+            servicer = RewardServicer(Scorer(lambda ids: "", "exact"), {"scored": 0.0, "reward_sum": 0.0}, None,
+                                      SandboxConfig())
+            self.server = await rpc.start_server("127.0.0.1:0", [rpc.Servicer(
+                reward_pb2_grpc.add_RewardServiceServicer_to_server, servicer,
+                reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name)])
+            self.address = f"127.0.0.1:{self.server.port}"
+            self._ready.set()
+
+        self._loop.run_until_complete(start())
+        self._loop.run_forever()
+
+    def start(self) -> RewardServer:
+        self._thread.start()
+        assert self._ready.wait(30), "the reward server did not start"
+        return self
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(0), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)

@@ -46,8 +46,10 @@ class ReplayKey:
 
 class Gateway:
     def __init__(self, config: GatewayConfig, engine: Any, tokenizer: Any, publish: Publish,
-                 budget: GroupBudget | None = None) -> None:
+                 budget: GroupBudget | None = None, reward: Any = None) -> None:
         self.config = config
+        self.reward = reward       # the reward service's client (run_code, graded sessions' verifiers), or None
+        self.code_runs = 0
         self.fmt = ChatFormat(tokenizer, config.extra_stop_tokens)
         self.budget = budget if budget is not None else GroupBudget()
         metrics.CAPACITY.set_function(lambda b=self.budget: _gauge(b.capacity()))

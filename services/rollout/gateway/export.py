@@ -7,6 +7,7 @@ path carries the session's group id and group size; other branches travel as gro
 "interaction" mode: one trajectory per interaction, each its own group of one, with its discounted return.
 In session mode the turns' own rewards also travel as process rewards (`step_rewards`, one per rewarded turn,
 ending on the turn's last sampled token), beside the outcome `reward` (their discounted sum).
+A session graded by a verifier exports unscored trajectories carrying its `grading`: the reward service scores them.
 """
 
 from __future__ import annotations
@@ -105,12 +106,14 @@ def _trajectory(session: Session, traj_id: str, path: list[Interaction], prompt_
     meta = {"session_id": session.id, "task_id": session.task_id, "interaction_ids": [i.id for i in path],
             "apis": sorted({i.api for i in path}), "end_reason": session.end_reason, "group_index": session.group_index,
             "sampling": path[-1].sampling, "agent": session.metadata, **extra}
+    graded = session.grading  # the reward service scores it (traj.raw); `reward` is the agent's, kept for add_reward
     return data_pb2.Trajectory(
         trajectory_id=traj_id, group_id=group_id, task_id=session.task_id, work_id=session.id, group_size=group_size,
         prompt_ids=prompt_ids, completion_ids=completion_ids, behavior_logprobs=logprobs, versions=versions,
-        loss_mask=mask, reward=reward, scored=True, finish_reason=_finish(path[-1].finish_reason),
-        created_at=path[0].created_at, generated_at=path[-1].finished_at, scored_at=now(), source="gateway",
-        metadata=msgpack.packb(meta, use_bin_type=True), split="train", verifier="agent",
+        loss_mask=mask, reward=reward, scored=graded is None, finish_reason=_finish(path[-1].finish_reason),
+        created_at=path[0].created_at, generated_at=path[-1].finished_at, scored_at=0.0 if graded else now(),
+        source="gateway", metadata=msgpack.packb(meta, use_bin_type=True), split="train",
+        verifier=graded.verifier if graded else "agent", grading=graded,
         sampling=path_sampling([i.sampling for i in path]))
 
 

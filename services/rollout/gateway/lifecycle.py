@@ -13,6 +13,7 @@ import contextlib
 import time
 
 from services.common.bus import PayloadTooLarge
+from services.common.contracts import data_pb2
 from services.common.ids import now
 from services.common.logging import get_logger
 from services.common.runtime import sleep_or_stop
@@ -24,7 +25,8 @@ from services.rollout.gateway.outbox import OutboxClosed
 from services.rollout.gateway.session import Session, SessionState
 
 
-async def start_session(gw: Gateway, *, task_id: str, group_size: int, api_key: str | None, metadata: dict) -> dict:
+async def start_session(gw: Gateway, *, task_id: str, group_size: int, api_key: str | None, metadata: dict,
+                        grading: data_pb2.Grading | None = None) -> dict:
     if api_key is not None:
         if gw.is_admin(api_key):
             raise bad_request("api_key", "must not be the admin key")
@@ -39,13 +41,16 @@ async def start_session(gw: Gateway, *, task_id: str, group_size: int, api_key: 
                     raise  # not confirmed yet (503) or no room (429): the key stays with the old episode
                 # else it was closed without an export (refused for good): the key is free for the new episode
     try:
-        sessions = gw.sessions.create_group(task_id=task_id, group_size=group_size, api_key=api_key, metadata=metadata)
+        sessions = gw.sessions.create_group(task_id=task_id, group_size=group_size, api_key=api_key, metadata=metadata,
+                                            grading=grading)
     except OverflowError as exc:
         raise ApiError(429, str(exc), headers={"retry-after": "5"}) from exc
     metrics.SESSIONS.labels("started").inc(len(sessions))
-    get_logger().info("gateway_session_started", group_id=sessions[0].group_id, task_id=task_id, group_size=group_size)
+    get_logger().info("gateway_session_started", group_id=sessions[0].group_id, task_id=task_id, group_size=group_size,
+                      verifier=grading.verifier if grading is not None else None)
     first = sessions[0]
     return {"group_id": first.group_id, "task_id": task_id, "group_size": group_size,
+            "graded_by": grading.verifier if grading is not None else None,
             "session_id": first.id, "api_key": first.api_key,
             "sessions": [{"session_id": s.id, "api_key": s.api_key, "session_api_key": s.api_key} for s in sessions]}
 

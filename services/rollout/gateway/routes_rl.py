@@ -1,4 +1,5 @@
-"""Session routes: /rl/start_session (admin key), /rl/set_reward and /rl/end_session (session key), status."""
+"""Session routes: /rl/start_session (admin key), /rl/set_reward and /rl/end_session (session key), status; the
+tools the reward service runs for agents (/rl/run_code) in graded.py."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from services.rollout.gateway import lifecycle
 from services.rollout.gateway.core import Gateway
 from services.rollout.gateway.dedupe import IdempotencyCache
 from services.rollout.gateway.errors import ApiError, bad_request
+from services.rollout.gateway.graded import add_tool_routes, session_grading
 from services.rollout.gateway.http import api_key, json_response, load_json, read_body
 from services.rollout.gateway.session import Session
 
-_START_KEYS = frozenset({"task_id", "group_size", "api_key", "metadata"})
+_START_KEYS = frozenset({"task_id", "group_size", "api_key", "metadata", "grading"})
 MAX_NAME_CHARS = 1024
 
 
@@ -83,6 +85,9 @@ def add_rl_routes(app: Starlette, gw: Gateway) -> None:
         if fixed is not None and (len(fixed) > 256 or not fixed.isprintable() or any(c.isspace() for c in fixed)):
             raise bad_request("api_key", "must be at most 256 printable characters without whitespace")
         metadata = f.obj(body.get("metadata") or {}, "metadata")
+        graded = None
+        if body.get("grading") is not None:
+            graded = session_grading(body["grading"], await known_verifiers())
         idem = request.headers.get("idempotency-key")
         token = None
         if idem:
@@ -96,7 +101,7 @@ def add_rl_routes(app: Starlette, gw: Gateway) -> None:
         try:
             async with fixed_keys if fixed is not None else contextlib.nullcontext():
                 result = await lifecycle.start_session(gw, task_id=task_id, group_size=group_size, api_key=fixed,
-                                                       metadata=metadata)
+                                                       metadata=metadata, grading=graded)
         except BaseException:
             if token is not None:
                 idempotent.fail(idem, token)
@@ -104,6 +109,15 @@ def add_rl_routes(app: Starlette, gw: Gateway) -> None:
         if token is not None:
             idempotent.resolve(idem, token, result)
         return json_response(result, 201)
+
+    async def known_verifiers() -> frozenset[str] | None:
+        if gw.reward is None:
+            return None  # no reward service to ask here: it refuses an unknown verifier when it scores
+        try:
+            return await gw.reward.verifiers()
+        except RuntimeError as exc:
+            raise ApiError(503, f"grading.verifier: cannot be checked now ({exc})", headers={"retry-after": "1"},
+                           param="grading.verifier") from exc
 
     async def set_reward(request: Request) -> Response:
         session = identify(request)
@@ -147,6 +161,7 @@ def add_rl_routes(app: Starlette, gw: Gateway) -> None:
     async def health(request: Request) -> Response:
         return json_response({"status": "ok", "paused": bool(gw.backend.engine.paused), "version": gw.backend.version})
 
+    add_tool_routes(app, gw, identify, body_of)
     app.add_route("/rl/start_session", start_session, methods=["POST"])
     app.add_route("/rl/set_reward", set_reward, methods=["POST"])
     app.add_route("/rl/end_session", end_session, methods=["POST"])

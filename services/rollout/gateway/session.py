@@ -69,6 +69,7 @@ class Session:
     group_size: int
     group_index: int
     metadata: dict = dataclasses.field(default_factory=dict)
+    grading: object = None          # a data_pb2.Grading: the reward service grades the export (None: the agent's reward)
     state: SessionState = SessionState.ACTIVE
     created_at: float = dataclasses.field(default_factory=now)
     last_active: float = dataclasses.field(default_factory=now)
@@ -210,7 +211,8 @@ class SessionStore:
     def by_id(self, session_id: str) -> Session | None:
         return self._by_id.get(session_id)
 
-    def create_group(self, *, task_id: str, group_size: int, api_key: str | None, metadata: dict) -> list[Session]:
+    def create_group(self, *, task_id: str, group_size: int, api_key: str | None, metadata: dict,
+                     grading: object = None) -> list[Session]:
         """New sessions (the caller ends any session still bound to `api_key` first)."""
         if len(self.active) + group_size > self.max_active:
             raise OverflowError(f"{len(self.active)} sessions are active; the gateway holds at most {self.max_active}")
@@ -219,7 +221,7 @@ class SessionStore:
         for index in range(group_size):
             key = api_key if api_key else "sk-meshrl-" + secrets.token_urlsafe(24)
             session = Session(id=new_id("sess"), api_key=key, task_id=task_id, group_id=group_id,
-                              group_size=group_size, group_index=index, metadata=dict(metadata))
+                              group_size=group_size, group_index=index, metadata=dict(metadata), grading=grading)
             self._by_id[session.id] = session
             self._by_key[key] = session
             sessions.append(session)

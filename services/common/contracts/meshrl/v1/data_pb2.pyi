@@ -76,7 +76,7 @@ class PromptWork(_message.Message):
     def __init__(self, work_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., issued_version: _Optional[int] = ..., issued_at: _Optional[float] = ..., split: _Optional[str] = ..., grading: _Optional[_Union[Grading, _Mapping]] = ...) -> None: ...
 
 class Grading(_message.Message):
-    __slots__ = ("answer", "question", "verifier", "extract", "verifier_options", "shaping", "rg_entry", "row", "extra", "eval_round")
+    __slots__ = ("answer", "question", "verifier", "extract", "verifier_options", "shaping", "rg_entry", "row", "extra", "eval_round", "response", "add_reward")
     ANSWER_FIELD_NUMBER: _ClassVar[int]
     QUESTION_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,8 @@ class Grading(_message.Message):
     ROW_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
     EVAL_ROUND_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ADD_REWARD_FIELD_NUMBER: _ClassVar[int]
     answer: str
     question: str
     verifier: str
@@ -97,7 +99,9 @@ class Grading(_message.Message):
     row: bytes
     extra: bytes
     eval_round: int
-    def __init__(self, answer: _Optional[str] = ..., question: _Optional[str] = ..., verifier: _Optional[str] = ..., extract: _Optional[str] = ..., verifier_options: _Optional[bytes] = ..., shaping: _Optional[_Iterable[_Union[ShapingTerm, _Mapping]]] = ..., rg_entry: _Optional[bytes] = ..., row: _Optional[bytes] = ..., extra: _Optional[bytes] = ..., eval_round: _Optional[int] = ...) -> None: ...
+    response: str
+    add_reward: bool
+    def __init__(self, answer: _Optional[str] = ..., question: _Optional[str] = ..., verifier: _Optional[str] = ..., extract: _Optional[str] = ..., verifier_options: _Optional[bytes] = ..., shaping: _Optional[_Iterable[_Union[ShapingTerm, _Mapping]]] = ..., rg_entry: _Optional[bytes] = ..., row: _Optional[bytes] = ..., extra: _Optional[bytes] = ..., eval_round: _Optional[int] = ..., response: _Optional[str] = ..., add_reward: _Optional[bool] = ...) -> None: ...
 
 class ShapingTerm(_message.Message):
     __slots__ = ("name", "options")

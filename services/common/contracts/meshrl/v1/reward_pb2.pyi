@@ -26,6 +26,36 @@ class ScoreReply(_message.Message):
     detail: str
     def __init__(self, reward: _Optional[float] = ..., detail: _Optional[str] = ...) -> None: ...
 
+class RunCodeRequest(_message.Message):
+    __slots__ = ("code", "language", "stdin", "timeout_s")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    LANGUAGE_FIELD_NUMBER: _ClassVar[int]
+    STDIN_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    language: str
+    stdin: bytes
+    timeout_s: float
+    def __init__(self, code: _Optional[str] = ..., language: _Optional[str] = ..., stdin: _Optional[bytes] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class RunCodeReply(_message.Message):
+    __slots__ = ("status", "exit_code", "has_exit_code", "stdout", "stderr", "wall_seconds", "truncated")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    HAS_EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    STDOUT_FIELD_NUMBER: _ClassVar[int]
+    STDERR_FIELD_NUMBER: _ClassVar[int]
+    WALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    status: str
+    exit_code: int
+    has_exit_code: bool
+    stdout: str
+    stderr: str
+    wall_seconds: float
+    truncated: bool
+    def __init__(self, status: _Optional[str] = ..., exit_code: _Optional[int] = ..., has_exit_code: _Optional[bool] = ..., stdout: _Optional[str] = ..., stderr: _Optional[str] = ..., wall_seconds: _Optional[float] = ..., truncated: _Optional[bool] = ...) -> None: ...
+
 class ListVerifiersRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -51,6 +51,11 @@ class RewardServiceStub:
                 request_serializer=meshrl_dot_v1_dot_common__pb2.StatusRequest.SerializeToString,
                 response_deserializer=meshrl_dot_v1_dot_reward__pb2.RewardStatus.FromString,
                 _registered_method=True)
+        self.RunCode = channel.unary_unary(
+                '/meshrl.v1.RewardService/RunCode',
+                request_serializer=meshrl_dot_v1_dot_reward__pb2.RunCodeRequest.SerializeToString,
+                response_deserializer=meshrl_dot_v1_dot_reward__pb2.RunCodeReply.FromString,
+                _registered_method=True)
 
 
 class RewardServiceServicer:
@@ -75,6 +80,13 @@ class RewardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RunCode(self, request, context):
+        """an agent's tool call run in the code verifiers' sandbox (the gateway's /rl/run_code forwards it)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RewardServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +104,11 @@ def add_RewardServiceServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=meshrl_dot_v1_dot_common__pb2.StatusRequest.FromString,
                     response_serializer=meshrl_dot_v1_dot_reward__pb2.RewardStatus.SerializeToString,
+            ),
+            'RunCode': grpc.unary_unary_rpc_method_handler(
+                    servicer.RunCode,
+                    request_deserializer=meshrl_dot_v1_dot_reward__pb2.RunCodeRequest.FromString,
+                    response_serializer=meshrl_dot_v1_dot_reward__pb2.RunCodeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +193,33 @@ class RewardService:
             '/meshrl.v1.RewardService/Status',
             meshrl_dot_v1_dot_common__pb2.StatusRequest.SerializeToString,
             meshrl_dot_v1_dot_reward__pb2.RewardStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunCode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshrl.v1.RewardService/RunCode',
+            meshrl_dot_v1_dot_reward__pb2.RunCodeRequest.SerializeToString,
+            meshrl_dot_v1_dot_reward__pb2.RunCodeReply.FromString,
             options,
             channel_credentials,
             insecure,

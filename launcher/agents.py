@@ -31,7 +31,9 @@ def agent_command(entry: str) -> tuple[pathlib.Path, list[str]]:
 class AgentDriver:
     """Runs every configured agent script at once, each in a loop of fresh processes, until stopped."""
 
-    def __init__(self, scripts: list[str], args: list[str], *, gateway_url: str, log_path: pathlib.Path) -> None:
+    def __init__(self, scripts: list[str], args: list[str], *, gateway_url: str, log_path: pathlib.Path,
+                 env: dict[str, str] | None = None) -> None:
+        self.env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}  # env: the frozen models' addresses
         self.commands = [agent_command(s) for s in scripts]
         self.args = [str(a) for a in args]
         self.gateway_url = gateway_url
@@ -55,7 +57,7 @@ class AgentDriver:
                 self._procs[index] = popen(
                     [sys.executable, str(script), "--base-url", self.gateway_url, "--seed", str(seed), *self.args,
                      *own],  # the agent's own arguments last: they win over the run's shared agent_args
-                    cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                    cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=self.env)
                 self._procs[index].wait()
                 self.episodes_run += 1
 

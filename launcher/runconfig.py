@@ -84,6 +84,8 @@ class RunConfig:
     # examples/agents scripts driven through the gateway, each optionally with its own arguments ("x.py --task y")
     agents: list[str] = dataclasses.field(default_factory=list)
     agent_args: list[str] = dataclasses.field(default_factory=list)
+    # models served frozen beside the stack for the agents (launcher/frozen.py): name -> FrozenModel's keys
+    frozen_models: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     services: Sections = dataclasses.field(default_factory=Sections)
 
     def __post_init__(self) -> None:
@@ -100,6 +102,14 @@ class RunConfig:
                 agent_command(entry)
             except ValueError as exc:
                 raise FieldError(f"agents[{i}]", str(exc)) from None
+        if self.frozen_models:
+            from launcher.frozen import FrozenModel, check_names
+
+            if not isinstance(self.frozen_models, dict):
+                raise FieldError("frozen_models", "must be a map: name -> {model: ..., max_context: ...}")
+            check_names(self.frozen_models)
+            for name, spec in self.frozen_models.items():
+                build_config(FrozenModel, spec, f"frozen_models.{name}")
         if self.timeout_seconds <= 0 or self.startup_timeout_seconds <= 0:
             raise ValueError("timeout_seconds / startup_timeout_seconds: must be > 0")
         if self.dataset is not None:

@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from launcher import preflight
 from launcher.agents import AgentDriver
+from launcher.frozen import FrozenModel, FrozenModels
 from launcher.processes import NatsCluster, NatsServer, TrainerRanks, free_port, popen
 from launcher.report import EventLog, write_report
 from launcher.runconfig import BUILT_IN_MODELS, RunConfig, RunPlan
@@ -27,6 +28,7 @@ from launcher.shutdown import SHUTDOWN, Interrupted
 from launcher.supervisor import Backoff, Supervisor, pid_alive
 from launcher.watch import watch_run
 from services.common.auth import OPERATOR
+from services.common.config import build_config
 from services.common.credentials import LEASED, RunCredentials
 from services.common.errors import FieldError
 from services.common.net import free_ports
@@ -74,6 +76,19 @@ def ensure_model(name: str, seed: int) -> pathlib.Path:
         subprocess.run([sys.executable, str(ROOT / "scripts" / "bootstrap_model.py"), "--out", str(path),
                         "--seed", str(seed), "--verbose", *MODELS[name]], check=True, cwd=ROOT)
     return path
+
+
+def frozen_models(run_config: RunConfig, seed: int) -> tuple[dict[str, FrozenModel], dict[str, pathlib.Path]]:
+    """The run file's frozen models, typed, and their model directories (a built-in name is built as `model` is)."""
+    models = {name: build_config(FrozenModel, spec, f"frozen_models.{name}")
+              for name, spec in run_config.frozen_models.items()}
+    paths = {}
+    for name, m in models.items():
+        try:
+            paths[name] = resolve_model(m.model, seed)
+        except FieldError as exc:
+            raise exc.within(f"frozen_models.{name}") from None
+    return models, paths
 
 
 def resolve_model(model: str, seed: int) -> pathlib.Path:
@@ -451,6 +466,7 @@ def run(config: str, *, name: str, seed: int = 0, algo: str = "", ports: dict[st
     started = time.time()
     summary: dict = {"completed": False}
     agents: AgentDriver | None = None
+    frozen: FrozenModels | None = None
     SHUTDOWN.results = str(run_dir)
     try:
         stack.start(plan.files())
@@ -459,9 +475,13 @@ def run(config: str, *, name: str, seed: int = 0, algo: str = "", ports: dict[st
         stack.wait_healthy(run_config.startup_timeout_seconds)  # a real model loads slowly
         if on_healthy is not None:
             on_healthy(stack, events)
+        if run_config.frozen_models:
+            frozen = FrozenModels(*frozen_models(run_config, seed), run_dir)
+            frozen.start(run_config.startup_timeout_seconds)
         if run_config.agents:
             agents = AgentDriver(run_config.agents, run_config.agent_args, log_path=run_dir / "logs" / "agents.log",
-                                 gateway_url=f"http://127.0.0.1:{stack.ports['gateway']}")
+                                 gateway_url=f"http://127.0.0.1:{stack.ports['gateway']}",
+                                 env=frozen.env() if frozen is not None else {})
             agents.start()
         completed = asyncio.run(watch_run(stack, events, total_steps=plan.total_steps,
                                           timeout=run_config.timeout_seconds, progress=progress))
@@ -471,15 +491,19 @@ def run(config: str, *, name: str, seed: int = 0, algo: str = "", ports: dict[st
             before_stop(stack, summary)
     finally:
         with SHUTDOWN.stopping():
-            _stop_run(stack, agents, summary, run_dir, nats_mode)
+            _stop_run(stack, agents, summary, run_dir, nats_mode, frozen)
     print(json.dumps(summary, indent=2))
     return summary
 
 
-def _stop_run(stack: Stack, agents: AgentDriver | None, summary: dict, run_dir: pathlib.Path, nats_mode: str) -> None:
-    """The end of `run`, also after a signal (then within the shutdown budget): agents, stack, summary.json."""
+def _stop_run(stack: Stack, agents: AgentDriver | None, summary: dict, run_dir: pathlib.Path, nats_mode: str,
+              frozen: FrozenModels | None = None) -> None:
+    """The end of `run`, also after a signal (then within the shutdown budget): agents, frozen models, stack,
+    summary.json."""
     if agents is not None:
         agents.stop(timeout=3.0 if SHUTDOWN.interrupted else 10.0)
+    if frozen is not None:
+        summary["frozen_exit_codes"] = frozen.stop(timeout=3.0 if SHUTDOWN.interrupted else 10.0)
     codes = stack.stop(SHUTDOWN.grace(30.0))
     summary["exit_codes"] = codes
     summary["restarts"] = stack.restarts

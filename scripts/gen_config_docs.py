@@ -79,7 +79,8 @@ top, in `dataset` or in a service's section, stops the launcher naming its path 
 | `dataset` | the builder's `dataset` section ([`builder.dataset`](#builderdataset)); set it here or there, not both |
 | `timeout_seconds` | the run stops (incomplete) after this long (default 900) |
 | `startup_timeout_seconds` | until every service serves (default 300; a real model loads slowly) |
-| `agents`, `agent_args` | example agents from `examples/agents/` the launcher starts against the gateway |
+| `agents`, `agent_args` | example agents from `examples/agents/` the launcher starts against the gateway; an entry may carry that agent's own arguments (`code_agent.py --task functions`), after the shared `agent_args` |
+| `frozen_models` | models served frozen beside the stack for the agents (a tau2 user simulator): `name: {model, max_context, max_batch, dtype, max_tokens_cap, torch_threads}`; each agent finds `MESHRL_FROZEN_<NAME>_URL` and `MESHRL_FROZEN_<NAME>_KEY_FILE` in its environment (`launcher/frozen.py`) |
 | `services` | one section per service: the tables above |
 
 `RunConfig.derive` (what `meshrl run`, `up` and `chaos`, the report, `scripts/eval_checkpoint.py` and the

@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 WIRING = {"nats_url", "nats_replicas", "grpc_address", "metrics_port", "metrics_address", "run_dir", "model_path",
           "auth_token", "auth_token_file", "auth_peers_file", "nats_user", "nats_password", "nats_password_file",
           "nats_creds_file", "tls_cert_file", "tls_key_file", "tls_ca_file", "tls_client_auth", "tls_server_name",
-          "wx_address", "weight_transport", "weight_host", "rank_id", "engine.model_path"}
+          "wx_address", "reward_address", "weight_transport", "weight_host", "rank_id", "engine.model_path"}
 COMPOSE_NAMES = {"weight_exchange": "weight-exchange"}
 
 

@@ -94,6 +94,7 @@ class GatewayConfig:
     template_kwargs: list[str] = dataclasses.field(default_factory=lambda: list(TEMPLATE_KWARGS))
     extra_stop_tokens: list[str] = dataclasses.field(default_factory=list)
     allow_admin_requests: bool = True           # the admin key may call model routes; nothing is recorded
+    sessions_enabled: bool = True               # False: start_session is 403 (a frozen model's server: never trained)
 
     def __post_init__(self) -> None:
         if self.export_mode not in ("session", "interaction"):

@@ -75,6 +75,9 @@ def add_rl_routes(app: Starlette, gw: Gateway) -> None:
 
     async def start_session(request: Request) -> Response:
         require_admin(request)
+        if not cfg.sessions_enabled:
+            raise ApiError(403, "this gateway serves a frozen model (never trained): call its model routes with the "
+                                "admin key; sessions are the policy's gateway's")
         body = await body_of(request)
         f.check_keys(body, _START_KEYS, frozenset(), strict=True)
         task_id = f.string(body, "task_id", allow_empty=False)

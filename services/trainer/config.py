@@ -63,6 +63,7 @@ class TrainerConfig(ServiceConfig):
     total_steps: int = 0                                # final checkpoint after this many steps (the launcher sets the builder's); 0 = unbounded
     checkpoint_every: int = 5                           # steps between resumable checkpoints; 0 = only the final one
     keep_checkpoints: int = 2                           # newest resumable checkpoints kept in run_dir/checkpoints
+    checkpoint_on_stop: bool = True                     # stopped (SIGTERM) with untaken steps: a resumable checkpoint
     seed: int = 0
     dtype: str = "float32"                              # bfloat16: forward and backward under bf16 autocast
     torch_threads: int = 1                              # OpenMP threads of the thread that builds, steps and saves the model; 0: torch's default

@@ -74,6 +74,7 @@ class Trainer:
         self.last_metrics: dict[str, float] = {}
         self.lineage: dict[str, list] = {"batch_indices": [], "batch_ids": [], "skipped": []}
         self.resumed_from: pathlib.Path | None = None
+        self.checkpointed = -1  # the version of the newest resumable checkpoint written or resumed from
         self.sender = None
         self.dead_letters = DeadLetterWatch(bus)
         self.sync_failures = 0
@@ -99,6 +100,7 @@ class Trainer:
             setattr(self, key, t[key])
         self.lineage = {key: list(value) for key, value in t["lineage"].items()}
         self.resumed_from = path
+        self.checkpointed = self.version
         VERSION.set(self.version)
         self.log.info("resumed", resumed_from=str(path), version=self.version)
         return path
@@ -216,6 +218,17 @@ class Trainer:
         if final is None or final.get("version") != self.version:
             await self.checkpoint(final=True)
 
+    async def checkpoint_at_stop(self) -> None:
+        """Stopped (SIGTERM, SIGINT) with steps since the newest resumable checkpoint: keep them, so a restart
+        resumes from here instead of training those batches again. Not for a rank group: its other ranks stop on
+        the same signal and cannot take part in gathering the weights any more."""
+        if not self.config.checkpoint_on_stop or self.config.ranks > 1 or self.version <= max(self.checkpointed, 0):
+            return
+        try:
+            await self.checkpoint(required=False)
+        except Exception as exc:  # noqa: BLE001 - e.g. NATS already gone for the announcement: the files are written
+            self.log.warning("stop_checkpoint_unannounced", version=self.version, error=repr(exc))
+
     async def sync_weights(self, metrics: dict[str, float]) -> None:
         """Deploy the new version, retrying `sync_retries` times. A failed sync is not fatal: rollout keeps the
         older weights (the builder's staleness filter bounds the damage), the next step syncs again, and the
@@ -260,6 +273,7 @@ class Trainer:
                         return None
                     await asyncio.sleep(2.0 ** attempt)
             if not path and not final:
+                self.checkpointed = version
                 await asyncio.to_thread(prune_checkpoints, self.checkpoints, self.config.keep_checkpoints)
         event = data_pb2.VersionEvent(event_id=f"checkpoint-{version}-{target.name}", version=version,
                                       kind=data_pb2.VERSION_KIND_CHECKPOINT, at=now(), checkpoint_path=str(out))
@@ -457,4 +471,5 @@ async def serve_rank0(config: TrainerConfig, stop: asyncio.Event, leader=None,
                           trainable_parameters=engine.trainable_parameters(), version=trainer.version,
                           resumed_from=str(trainer.resumed_from or ""))
         await trainer.run(stop)
+        await trainer.checkpoint_at_stop()
 

@@ -229,6 +229,35 @@ async def test_a_sigkilled_trainer_process_restarts_and_finishes_the_run(nats_se
         await bus.close()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("on_stop", [True, False])
+async def test_a_sigtermed_trainer_keeps_its_steps_since_the_last_checkpoint(nats_server, model_dir, tmp_path, on_stop):
+    run_dir = tmp_path / "run"
+    config_path = tmp_path / "trainer.yaml"
+    config_path.write_text(yaml.safe_dump({
+        "model_path": model_dir, "run_dir": str(run_dir), "nats_url": nats_server.url, "wx_address": "",
+        "grpc_address": "127.0.0.1:0", "metrics_port": -1, "max_new_tokens": NEW, "checkpoint_every": 5,
+        "total_steps": 10, "optim": {"lr": 3.0e-3}, "checkpoint_on_stop": on_stop}))
+    bus = await Bus.connect(nats_server.url, name="test")
+    proc = start_service(config_path, tmp_path / "trainer.log")
+    try:
+        for i in range(3):
+            await publish_batch(bus, training_batch(i))
+        metrics = run_dir / "trainer_metrics.jsonl"
+        await until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, what="three steps")
+        proc.send_signal(signal.SIGTERM)  # waiting for batch 3, which never comes
+        assert proc.wait(timeout=60) == 0
+        if on_stop:  # v3 although checkpoint_every is 5: a restart resumes there, batches 0-2 are not trained again
+            assert latest_checkpoint(run_dir / "checkpoints") == run_dir / "checkpoints" / "v3"
+            assert "checkpoint-3-v3" in await version_events(bus)
+        else:
+            assert latest_checkpoint(run_dir / "checkpoints") is None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        await bus.close()
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 async def test_steps_run_on_the_compute_thread_with_torch_threads_and_the_main_thread_stays_at_one(
         threads, nats_server, model_dir, tmp_path):

@@ -1,5 +1,5 @@
-"""The `extended` marker: chaos cases too long for `make test` (a NATS outage past the dedupe window, TRAJ turning
-over under load). They run with `make chaos-extended` (MESHRL_CHAOS_EXTENDED=1) and are skipped otherwise."""
+"""The `extended` marker: chaos cases too long for `make test` (most services' kills, a cluster node lost, NATS
+outages past a minute and past the dedupe window, TRAJ at its cap). They run with `make chaos-extended` (MESHRL_CHAOS_EXTENDED=1) and are skipped otherwise."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ from services.common import grading
 from services.common.contracts import reward_pb2, reward_pb2_grpc
 from services.common.deadletters import DeadLetterWatch
 from services.common.rpc import Servicer, channel, start_server
+from services.reward.sandbox import SandboxConfig
 from services.reward.scoring import Scorer
 from services.reward.server import RewardServicer
 from services.reward.verifiers import build_verifier, plugins
@@ -69,7 +70,8 @@ def test_the_plugins_own_check_names_the_field(pool):
 
 
 async def test_list_verifiers_and_score_over_grpc(pool):
-    servicer = RewardServicer(scorer(pool), {"scored": 0.0, "reward_sum": 0.0}, DeadLetterWatch(bus=None))
+    servicer = RewardServicer(scorer(pool), {"scored": 0.0, "reward_sum": 0.0}, DeadLetterWatch(bus=None),
+                              SandboxConfig())
     rpc = await start_server("127.0.0.1:0", [Servicer(
         reward_pb2_grpc.add_RewardServiceServicer_to_server, servicer,
         reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name)])

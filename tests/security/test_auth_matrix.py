@@ -59,7 +59,8 @@ GRPC_EXPECTED = {
                               "Status": {OPERATOR}},
     "WeightAgentService": {"Apply": {"weight_exchange"}},
     "RolloutService": {"Generate": {OPERATOR}, "Pause": {OPERATOR}, "Resume": {OPERATOR}, "Status": {OPERATOR}},
-    "RewardService": {"Score": {OPERATOR}, "ListVerifiers": {OPERATOR}, "Status": {OPERATOR}},
+    "RewardService": {"Score": {OPERATOR}, "ListVerifiers": {"rollout", OPERATOR}, "Status": {OPERATOR},
+                      "RunCode": {"rollout", OPERATOR}},
     "BuilderService": {"Status": {OPERATOR}, "Pause": {OPERATOR}, "Resume": {OPERATOR}},
     "TrainerService": {"Status": {OPERATOR}, "Checkpoint": {OPERATOR}, "Pause": {OPERATOR}, "Resume": {OPERATOR}},
 }
@@ -410,20 +411,24 @@ GATEWAY_MODEL_ROUTES = {("POST", "chat/completions"): {"model": "m", "messages":
                         ("GET", "models"): None, ("GET", "models/{model:path}"): None}
 GATEWAY_ADMIN_ROUTES = {("POST", "/rl/start_session"), ("GET", "/rl/status"), ("GET", "/rl/sessions/{session_id}")}
 GATEWAY_SESSION_ROUTES = {("POST", "/rl/set_reward"), ("POST", "/rl/end_session")}
+GATEWAY_TOOL_ROUTES = {("POST", "/rl/run_code")}  # a session's own key only (a run belongs to an episode)
 GATEWAY_OPEN_ROUTES = {("GET", "/health"), ("GET", "/healthz")}
 
 
 def test_gateway_matrix(creds, capsys):
-    from tests.gateway.harness import ADMIN, GatewayServer
+    from services.reward.client import RewardClient
+    from tests.gateway.harness import ADMIN, GatewayServer, RewardServer
     from tests.gateway.policies import calculator_replies, scripted_engine, tokenizer
 
     tok = tokenizer()
-    gw = GatewayServer(scripted_engine(tok, calculator_replies), tok).start()
+    reward = RewardServer().start()
+    gw = GatewayServer(scripted_engine(tok, calculator_replies), tok, reward=RewardClient(reward.address)).start()
     try:
         model_routes = {(m, f"{prefix}/{path}"): body for (m, path), body in GATEWAY_MODEL_ROUTES.items()
                         for prefix in ("/v1", "")}
         served = {(m, r.path) for r in gw.app.routes for m in r.methods if m != "HEAD"}
-        assert served == {*model_routes, *GATEWAY_ADMIN_ROUTES, *GATEWAY_SESSION_ROUTES, *GATEWAY_OPEN_ROUTES}, \
+        assert served == {*model_routes, *GATEWAY_ADMIN_ROUTES, *GATEWAY_SESSION_ROUTES, *GATEWAY_TOOL_ROUTES,
+                          *GATEWAY_OPEN_ROUTES}, \
             "a gateway route without a row in the matrix"
         ended = gw.start_session()
         assert gw.session_post(ended["api_key"], "/rl/end_session").status_code == 200
@@ -472,10 +477,15 @@ def test_gateway_matrix(creds, capsys):
             check(method, path, "admin", ADMIN, body(target), True)
             own = with_a_call(gw.start_session())
             check(method, path, "own", own["api_key"], body(own), True)
+        for method, path in sorted(GATEWAY_TOOL_ROUTES):
+            for credential, key in {**refused_always, "admin": ADMIN}.items():
+                check(method, path, credential, key, {"code": "print(1)"}, False)
+            check(method, path, "own", gw.start_session()["api_key"], {"code": "print(1)"}, True)
         for method, path in sorted(GATEWAY_OPEN_ROUTES):
             assert call(method, path, None, None) == 200
     finally:
         gw.stop()
+        reward.stop()
     report(capsys, "gateway")
 
 

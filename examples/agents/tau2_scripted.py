@@ -1,5 +1,6 @@
 """The model-free check of tau2_agent.py's wiring: tau2's own orchestrator, environment and evaluation, with a
-scripted agent (the task's reference actions, or the same with one wrong argument) and a scripted user (it asks
+scripted agent (the task's reference actions, or the same with one wrong argument, of a write where the task has
+one) and a scripted user (it asks
 once, then ends the conversation). A right agent must get tau2's reward 1, a wrong one 0."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from typing import Any
 
 from tau2.agent.base import LocalAgent
 from tau2.data_model.message import AssistantMessage, ToolCall, UserMessage
+from tau2.environment.toolkit import ToolType
 from tau2.evaluator.evaluator import EvaluationType, evaluate_simulation
 from tau2.orchestrator.orchestrator import Orchestrator
 from tau2.registry import registry
@@ -62,16 +64,17 @@ def reference_actions(task) -> list[tuple[str, dict]]:
     return [(a.name, dict(a.arguments)) for a in (task.evaluation_criteria.actions or []) if a.requestor == "assistant"]
 
 
-def spoiled(task) -> list[tuple[str, dict]] | None:
-    """The reference actions with the first compared argument changed; None when there is none to change."""
+def spoiled(task, writes: set[str]) -> list[tuple[str, dict]] | None:
+    """The reference actions with one compared string argument changed, of a write (`writes`: the tools that change
+    the domain's state) where there is one: a wrong read whose result goes unused changes nothing tau2 grades.
+    None when no argument can be changed."""
     actions = copy.deepcopy(task.evaluation_criteria.actions or [])
-    for action in actions:
-        if action.requestor != "assistant":
-            continue
+    mine = [a for a in actions if a.requestor == "assistant"]
+    for action in sorted(mine, key=lambda a: a.name not in writes):
         for arg in action.compare_args if action.compare_args is not None else list(action.arguments):
             if isinstance(action.arguments.get(arg), str):
                 action.arguments[arg] = action.arguments[arg] + "-wrong"
-                return [(a.name, dict(a.arguments)) for a in actions if a.requestor == "assistant"]
+                return [(a.name, dict(a.arguments)) for a in mine]
     return None
 
 
@@ -92,11 +95,13 @@ def simulate(domain: str, task, actions: list[tuple[str, dict]]) -> dict[str, An
 
 def check(domain: str) -> list[dict[str, Any]]:
     """One line per task with an action to perform: tau2's reward for the right and the wrong scripted agent."""
+    tools = registry.get_env_constructor(domain)().tools
+    writes = {name for name in tools.get_tools() if tools.tool_type(name) == ToolType.WRITE}
     lines = []
     for task in registry.get_tasks_loader(domain)():
         if task.evaluation_criteria is None or not reference_actions(task):
             continue
-        wrong = spoiled(task)
+        wrong = spoiled(task, writes)
         lines.append({"task_id": task.id, "actions": len(reference_actions(task)),
                       "right": simulate(domain, task, reference_actions(task)),
                       "wrong": simulate(domain, task, wrong) if wrong is not None else None})

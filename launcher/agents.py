@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 
-from launcher.processes import popen
+from launcher.processes import popen, terminate_all
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 AGENTS_DIR = ROOT / "examples" / "agents"
@@ -65,13 +65,6 @@ class AgentDriver:
         """SIGTERM the running episodes, SIGKILL what is left after `timeout` s (one deadline for all)."""
         self._stop.set()
         deadline = time.monotonic() + timeout
-        procs = [p for p in list(self._procs.values()) if p.poll() is None]
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        terminate_all(list(self._procs.values()), timeout)
         for thread in self._threads:
             thread.join(timeout=max(0.1, deadline + 5 - time.monotonic()))

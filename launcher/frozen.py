@@ -15,10 +15,12 @@ import time
 import urllib.error
 import urllib.request
 
-from launcher.processes import popen
+from launcher.processes import popen, terminate_all
 from services.common.errors import FieldError
 from services.common.net import free_port
-from services.rollout.gateway.config import ADMIN_KEY_ENV, ADMIN_KEY_FILE_ENV  # its own key, generated in its folder
+
+# its own key, generated in its folder: neither the launcher's key nor its key file
+from services.rollout.gateway.config import ADMIN_KEY_ENV, ADMIN_KEY_FILE, ADMIN_KEY_FILE_ENV
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 _NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
@@ -56,14 +58,14 @@ class FrozenModels:
 
     def start(self, timeout: float) -> None:
         for name, m in self.models.items():
-            log = open(self.run_dir / "logs" / f"frozen-{name}.log", "ab")  # noqa: SIM115 - the child owns it
-            self._procs[name] = popen(
-                [sys.executable, "-m", "services.rollout.frozen", "--model-path", str(self.paths[name]),
-                 "--port", str(self.ports[name]), "--max-context", str(m.max_context), "--max-batch", str(m.max_batch),
-                 "--dtype", m.dtype, "--max-tokens-cap", str(m.max_tokens_cap), "--torch-threads", str(m.torch_threads),
-                 "--run-dir", str(self.key_dir(name))], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                env={k: v for k, v in os.environ.items() if k not in (ADMIN_KEY_ENV, ADMIN_KEY_FILE_ENV)})
-            log.close()
+            with open(self.run_dir / "logs" / f"frozen-{name}.log", "ab") as log:
+                self._procs[name] = popen(
+                    [sys.executable, "-m", "services.rollout.frozen", "--model-path", str(self.paths[name]),
+                     "--port", str(self.ports[name]), "--max-context", str(m.max_context),
+                     "--max-batch", str(m.max_batch), "--dtype", m.dtype, "--max-tokens-cap", str(m.max_tokens_cap),
+                     "--torch-threads", str(m.torch_threads), "--run-dir", str(self.key_dir(name))],
+                    cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                    env={k: v for k, v in os.environ.items() if k not in (ADMIN_KEY_ENV, ADMIN_KEY_FILE_ENV)})
         deadline = time.monotonic() + timeout
         for name in self.models:
             self._wait(name, deadline)
@@ -89,18 +91,9 @@ class FrozenModels:
         for name in self.models:
             prefix = f"MESHRL_FROZEN_{name.upper()}"
             out[f"{prefix}_URL"] = f"http://127.0.0.1:{self.ports[name]}/v1"
-            out[f"{prefix}_KEY_FILE"] = str(self.key_dir(name) / "secrets" / "gateway_admin_key")
+            out[f"{prefix}_KEY_FILE"] = str(self.key_dir(name) / ADMIN_KEY_FILE)
         return out
 
     def stop(self, timeout: float = 10.0) -> dict[str, int | None]:
-        for proc in self._procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + timeout
-        for proc in self._procs.values():
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        terminate_all(list(self._procs.values()), timeout)
         return {name: proc.returncode for name, proc in self._procs.items()}

@@ -94,6 +94,20 @@ def popen(args: Sequence[str], *, detach: bool = False, **kwargs) -> subprocess.
     return start() if threading.current_thread() is threading.main_thread() else _FORKER.call(start)
 
 
+def terminate_all(procs: Sequence[subprocess.Popen], timeout: float) -> None:
+    """SIGTERM every process still running, SIGKILL (and reap) what is left after `timeout` s: one deadline for all."""
+    running = [p for p in procs if p.poll() is None]
+    for proc in running:
+        proc.terminate()
+    deadline = time.monotonic() + timeout
+    for proc in running:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
 def kill_children() -> list[int]:
     """SIGKILL every live process popen() started, with its process group (a service's own children); the pids."""
     killed = []

@@ -70,8 +70,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         except RuntimeError as exc:  # every slot busy past the sandbox's wait: the caller may retry
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         RUNS.labels(result.status).inc()
-        return reward_pb2.RunCodeReply(status=result.status, exit_code=result.exit_code or 0,
-                                       has_exit_code=result.exit_code is not None, stdout=result.stdout,
+        return reward_pb2.RunCodeReply(status=result.status, exit_code=result.exit_code, stdout=result.stdout,
                                        stderr=result.stderr, wall_seconds=result.wall_seconds,
                                        truncated=result.truncated)
 

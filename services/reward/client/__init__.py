@@ -46,7 +46,7 @@ class RewardClient:
         The call's own deadline is the program's plus `timeout_s` of this client (queueing for a sandbox slot)."""
         request = reward_pb2.RunCodeRequest(code=code, language=language, stdin=stdin, timeout_s=timeout_s)
         reply = await self._call("RunCode", request, self.timeout_s + timeout_s)
-        return CodeRun(reply.status, reply.exit_code if reply.has_exit_code else None, reply.stdout, reply.stderr,
+        return CodeRun(reply.status, reply.exit_code if reply.HasField("exit_code") else None, reply.stdout, reply.stderr,
                        reply.wall_seconds, reply.truncated)
 
     async def verifiers(self) -> frozenset[str]:

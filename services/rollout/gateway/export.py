@@ -111,9 +111,10 @@ def _trajectory(session: Session, traj_id: str, path: list[Interaction], prompt_
         trajectory_id=traj_id, group_id=group_id, task_id=session.task_id, work_id=session.id, group_size=group_size,
         prompt_ids=prompt_ids, completion_ids=completion_ids, behavior_logprobs=logprobs, versions=versions,
         loss_mask=mask, reward=reward, scored=graded is None, finish_reason=_finish(path[-1].finish_reason),
-        created_at=path[0].created_at, generated_at=path[-1].finished_at, scored_at=0.0 if graded else now(),
+        created_at=path[0].created_at, generated_at=path[-1].finished_at,
+        scored_at=now() if graded is None else 0.0,
         source="gateway", metadata=msgpack.packb(meta, use_bin_type=True), split="train",
-        verifier=graded.verifier if graded else "agent", grading=graded,
+        verifier="agent" if graded is None else graded.verifier, grading=graded,
         sampling=path_sampling([i.sampling for i in path]))
 
 

@@ -13,6 +13,7 @@ import hashlib
 import math
 import secrets
 
+from services.common.contracts import data_pb2
 from services.common.errors import FieldError
 from services.common.ids import new_id, now
 from services.rollout.gateway.messages import Message, Tool
@@ -69,7 +70,7 @@ class Session:
     group_size: int
     group_index: int
     metadata: dict = dataclasses.field(default_factory=dict)
-    grading: object = None          # a data_pb2.Grading: the reward service grades the export (None: the agent's reward)
+    grading: data_pb2.Grading | None = None  # the reward service grades the export (None: the agent's reward)
     state: SessionState = SessionState.ACTIVE
     created_at: float = dataclasses.field(default_factory=now)
     last_active: float = dataclasses.field(default_factory=now)
@@ -212,7 +213,7 @@ class SessionStore:
         return self._by_id.get(session_id)
 
     def create_group(self, *, task_id: str, group_size: int, api_key: str | None, metadata: dict,
-                     grading: object = None) -> list[Session]:
+                     grading: data_pb2.Grading | None = None) -> list[Session]:
         """New sessions (the caller ends any session still bound to `api_key` first)."""
         if len(self.active) + group_size > self.max_active:
             raise OverflowError(f"{len(self.active)} sessions are active; the gateway holds at most {self.max_active}")

@@ -26,7 +26,7 @@ from services.common.contracts.meshrl.v1 import common_pb2 as meshrl_dot_v1_dot_
 from services.common.contracts.meshrl.v1 import data_pb2 as meshrl_dot_v1_dot_data__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16meshrl/v1/reward.proto\x12\tmeshrl.v1\x1a\x16meshrl/v1/common.proto\x1a\x14meshrl/v1/data.proto\"g\n\x0cScoreRequest\x12\x10\n\x08verifier\x18\x01 \x01(\t\x12\x10\n\x08response\x18\x02 \x01(\t\x12#\n\x07grading\x18\x04 \x01(\x0b\x32\x12.meshrl.v1.GradingJ\x04\x08\x03\x10\x04R\x08metadata\",\n\nScoreReply\x12\x0e\n\x06reward\x18\x01 \x01(\x02\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"R\n\x0eRunCodeRequest\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x10\n\x08language\x18\x02 \x01(\t\x12\r\n\x05stdin\x18\x03 \x01(\x0c\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"\x91\x01\n\x0cRunCodeReply\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x11\n\texit_code\x18\x02 \x01(\x05\x12\x15\n\rhas_exit_code\x18\x03 \x01(\x08\x12\x0e\n\x06stdout\x18\x04 \x01(\t\x12\x0e\n\x06stderr\x18\x05 \x01(\t\x12\x14\n\x0cwall_seconds\x18\x06 \x01(\x01\x12\x11\n\ttruncated\x18\x07 \x01(\x08\"\x16\n\x14ListVerifiersRequest\"\'\n\x12ListVerifiersReply\x12\x11\n\tverifiers\x18\x01 \x03(\t\"\xbe\x01\n\x0cRewardStatus\x12\x0e\n\x06scored\x18\x01 \x01(\x03\x12\x15\n\rdead_lettered\x18\x02 \x01(\x03\x12\x13\n\x0bmean_reward\x18\x03 \x01(\x01\x12>\n\x0c\x64\x65\x61\x64_letters\x18\x04 \x03(\x0b\x32(.meshrl.v1.RewardStatus.DeadLettersEntry\x1a\x32\n\x10\x44\x65\x61\x64LettersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\x95\x02\n\rRewardService\x12\x37\n\x05Score\x12\x17.meshrl.v1.ScoreRequest\x1a\x15.meshrl.v1.ScoreReply\x12O\n\rListVerifiers\x12\x1f.meshrl.v1.ListVerifiersRequest\x1a\x1d.meshrl.v1.ListVerifiersReply\x12;\n\x06Status\x12\x18.meshrl.v1.StatusRequest\x1a\x17.meshrl.v1.RewardStatus\x12=\n\x07RunCode\x12\x19.meshrl.v1.RunCodeRequest\x1a\x17.meshrl.v1.RunCodeReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16meshrl/v1/reward.proto\x12\tmeshrl.v1\x1a\x16meshrl/v1/common.proto\x1a\x14meshrl/v1/data.proto\"g\n\x0cScoreRequest\x12\x10\n\x08verifier\x18\x01 \x01(\t\x12\x10\n\x08response\x18\x02 \x01(\t\x12#\n\x07grading\x18\x04 \x01(\x0b\x32\x12.meshrl.v1.GradingJ\x04\x08\x03\x10\x04R\x08metadata\",\n\nScoreReply\x12\x0e\n\x06reward\x18\x01 \x01(\x02\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"R\n\x0eRunCodeRequest\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x10\n\x08language\x18\x02 \x01(\t\x12\r\n\x05stdin\x18\x03 \x01(\x0c\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"\x93\x01\n\x0cRunCodeReply\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x16\n\texit_code\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x0e\n\x06stdout\x18\x04 \x01(\t\x12\x0e\n\x06stderr\x18\x05 \x01(\t\x12\x14\n\x0cwall_seconds\x18\x06 \x01(\x01\x12\x11\n\ttruncated\x18\x07 \x01(\x08\x42\x0c\n\n_exit_codeJ\x04\x08\x03\x10\x04\"\x16\n\x14ListVerifiersRequest\"\'\n\x12ListVerifiersReply\x12\x11\n\tverifiers\x18\x01 \x03(\t\"\xbe\x01\n\x0cRewardStatus\x12\x0e\n\x06scored\x18\x01 \x01(\x03\x12\x15\n\rdead_lettered\x18\x02 \x01(\x03\x12\x13\n\x0bmean_reward\x18\x03 \x01(\x01\x12>\n\x0c\x64\x65\x61\x64_letters\x18\x04 \x03(\x0b\x32(.meshrl.v1.RewardStatus.DeadLettersEntry\x1a\x32\n\x10\x44\x65\x61\x64LettersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\x95\x02\n\rRewardService\x12\x37\n\x05Score\x12\x17.meshrl.v1.ScoreRequest\x1a\x15.meshrl.v1.ScoreReply\x12O\n\rListVerifiers\x12\x1f.meshrl.v1.ListVerifiersRequest\x1a\x1d.meshrl.v1.ListVerifiersReply\x12;\n\x06Status\x12\x18.meshrl.v1.StatusRequest\x1a\x17.meshrl.v1.RewardStatus\x12=\n\x07RunCode\x12\x19.meshrl.v1.RunCodeRequest\x1a\x17.meshrl.v1.RunCodeReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,15 +42,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RUNCODEREQUEST']._serialized_start=234
   _globals['_RUNCODEREQUEST']._serialized_end=316
   _globals['_RUNCODEREPLY']._serialized_start=319
-  _globals['_RUNCODEREPLY']._serialized_end=464
-  _globals['_LISTVERIFIERSREQUEST']._serialized_start=466
-  _globals['_LISTVERIFIERSREQUEST']._serialized_end=488
-  _globals['_LISTVERIFIERSREPLY']._serialized_start=490
-  _globals['_LISTVERIFIERSREPLY']._serialized_end=529
-  _globals['_REWARDSTATUS']._serialized_start=532
-  _globals['_REWARDSTATUS']._serialized_end=722
-  _globals['_REWARDSTATUS_DEADLETTERSENTRY']._serialized_start=672
-  _globals['_REWARDSTATUS_DEADLETTERSENTRY']._serialized_end=722
-  _globals['_REWARDSERVICE']._serialized_start=725
-  _globals['_REWARDSERVICE']._serialized_end=1002
+  _globals['_RUNCODEREPLY']._serialized_end=466
+  _globals['_LISTVERIFIERSREQUEST']._serialized_start=468
+  _globals['_LISTVERIFIERSREQUEST']._serialized_end=490
+  _globals['_LISTVERIFIERSREPLY']._serialized_start=492
+  _globals['_LISTVERIFIERSREPLY']._serialized_end=531
+  _globals['_REWARDSTATUS']._serialized_start=534
+  _globals['_REWARDSTATUS']._serialized_end=724
+  _globals['_REWARDSTATUS_DEADLETTERSENTRY']._serialized_start=674
+  _globals['_REWARDSTATUS_DEADLETTERSENTRY']._serialized_end=724
+  _globals['_REWARDSERVICE']._serialized_start=727
+  _globals['_REWARDSERVICE']._serialized_end=1004
 # @@protoc_insertion_point(module_scope)

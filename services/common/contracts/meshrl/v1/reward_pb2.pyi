@@ -39,22 +39,20 @@ class RunCodeRequest(_message.Message):
     def __init__(self, code: _Optional[str] = ..., language: _Optional[str] = ..., stdin: _Optional[bytes] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class RunCodeReply(_message.Message):
-    __slots__ = ("status", "exit_code", "has_exit_code", "stdout", "stderr", "wall_seconds", "truncated")
+    __slots__ = ("status", "exit_code", "stdout", "stderr", "wall_seconds", "truncated")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
-    HAS_EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     STDOUT_FIELD_NUMBER: _ClassVar[int]
     STDERR_FIELD_NUMBER: _ClassVar[int]
     WALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     status: str
     exit_code: int
-    has_exit_code: bool
     stdout: str
     stderr: str
     wall_seconds: float
     truncated: bool
-    def __init__(self, status: _Optional[str] = ..., exit_code: _Optional[int] = ..., has_exit_code: _Optional[bool] = ..., stdout: _Optional[str] = ..., stderr: _Optional[str] = ..., wall_seconds: _Optional[float] = ..., truncated: _Optional[bool] = ...) -> None: ...
+    def __init__(self, status: _Optional[str] = ..., exit_code: _Optional[int] = ..., stdout: _Optional[str] = ..., stderr: _Optional[str] = ..., wall_seconds: _Optional[float] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class ListVerifiersRequest(_message.Message):
     __slots__ = ()

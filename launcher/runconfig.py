@@ -209,6 +209,10 @@ class RunConfig:
             _set(values[follower], key, value)
         configs.update({s: build_config(config_class(s), values[s], f"services.{s}") for s in SERVICES
                         if s != "builder"})
+        if configs["builder"].source == "online" and not configs["builder"].max_trajectory_tokens:
+            # an agent's trajectory holds up to the engine's context: what the builder's TRAJ capacity check counts
+            configs["builder"] = dataclasses.replace(configs["builder"],
+                                                     max_trajectory_tokens=configs["rollout"].engine.max_context)
         return RunPlan(run=self, configs=configs, seed=seed)
 
     def _defaults(self, service: str, seed: int) -> dict[str, Any]:

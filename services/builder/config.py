@@ -29,6 +29,10 @@ class BuilderConfig(ServiceConfig):
     eval_max_new_tokens: int = 8
     dynamic_sampling: bool = False  # DAPO: drop groups of equal rewards, issue prompts in their place
     max_abs_reward: float = 1e6   # a scored trajectory's reward (and step rewards) beyond +-this is dead-lettered
+    # tokens of a trajectory at most, for the check that the run's trajectories in flight fit TRAJ's byte cap
+    # (services.builder.capacity); 0: the longest prompt + max_new_tokens (dataset), the rollout's max_context
+    # (online, filled in by the run file), unchecked for an online builder started alone
+    max_trajectory_tokens: int = 0
     group_timeout_s: float = 1800.0  # an issued group not complete this long after its issue is dropped ("timeout")
     final_checkpoint_timeout_s: float = 300.0  # RUN_END waits this long at most for the trainer's final checkpoint
     lease_seconds: float = 15.0   # one active builder: a second one waits as standby until the lease lapses this long
@@ -48,5 +52,7 @@ class BuilderConfig(ServiceConfig):
             raise FieldError("final_checkpoint_timeout_s", f"must be >= 0, got {self.final_checkpoint_timeout_s}")
         if not self.group_timeout_s > 0:
             raise FieldError("group_timeout_s", f"must be > 0, got {self.group_timeout_s}")
+        if self.max_trajectory_tokens < 0:
+            raise FieldError("max_trajectory_tokens", f"must be >= 0, got {self.max_trajectory_tokens}")
         if self.max_staleness < 0:
             raise FieldError("max_staleness", f"must be >= 0, got {self.max_staleness}")

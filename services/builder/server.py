@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 
 from services.builder.accounting import RunEnd, recount
 from services.builder.admission import OnlineBudget, StalenessBudget
+from services.builder.capacity import TRAJ_SPEC, check_traj_capacity, longest_prompt_tokens
 from services.builder.config import BuilderConfig
 from services.builder.datasets import shuffled_epochs
 from services.builder.evaluation import EvalRound, EvalTracker
@@ -88,6 +89,7 @@ class Builder:
         self.log.info("dataset_loaded", source=config.dataset.kind, train=len(data.train), eval=len(data.eval),
                       filtered_train=data.dropped["train"], filtered_eval=data.dropped["eval"])
         self.eval_tasks = data.eval
+        self.traj_in_flight_bytes = self.check_capacity(data)
         self.train = shuffled_epochs(data.train, config.seed)
         self.ledger = Ledger(bus)
         self.dead_letters = DeadLetterWatch(bus)
@@ -119,6 +121,26 @@ class Builder:
         self.blobs_pruned_below = 0
         self.failed = asyncio.Event()     # set with `failure`: a handler found an error that stops the service
         self.failure: BaseException | None = None
+
+    def check_capacity(self, data) -> int:
+        """The bytes of trajectories this run keeps in flight; FieldError (nats_max_bytes) when they do not fit
+        TRAJ's byte cap with room to spare (over it TRAJ deletes unacked trajectories: finding F4)."""
+        config = self.config
+        traj_cap = self.bus.stream_max_bytes(TRAJ_SPEC) if self.bus is not None else -1  # None: pure tests
+        tokens = config.max_trajectory_tokens
+        prompt = longest_prompt_tokens([*data.train, *data.eval], self.encode, config.dataset.max_prompt_tokens)
+        if not tokens and self.online is None:
+            tokens = prompt + config.sampling.max_new_tokens
+        if not tokens:
+            self.log.info("traj_capacity_unchecked", reason="an online builder without max_trajectory_tokens")
+            return 0
+        evals = len(data.eval) if self.online is None else 0
+        need = check_traj_capacity(traj_max_bytes=traj_cap, batch_size=config.batch_size,
+                                   group_size=config.group_size, max_staleness=config.max_staleness,
+                                   trajectory_tokens=tokens, eval_items=evals,
+                                   eval_tokens=prompt + config.eval_max_new_tokens)
+        self.log.info("traj_capacity", in_flight_bytes=need, traj_max_bytes=traj_cap, trajectory_tokens=tokens)
+        return need
 
     # issuing ------------------------------------------------------------------------------------------
     @property

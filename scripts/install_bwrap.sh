@@ -3,7 +3,9 @@
 # on PATH; otherwise Debian's package via apt-get (as root, or through sudo).
 set -euo pipefail
 
-if command -v bwrap >/dev/null 2>&1; then
+have_libseccomp() { ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2'; }
+# libseccomp2: the sandboxed programs' seccomp filter (services/reward/sandbox/seccomp.py); Debian's apt needs it too
+if command -v bwrap >/dev/null 2>&1 && have_libseccomp; then
     exit 0
 fi
 if ! command -v apt-get >/dev/null 2>&1; then
@@ -19,11 +21,12 @@ if [ "$(id -u)" -ne 0 ]; then
     SUDO="sudo"
 fi
 echo "install_bwrap: installing bubblewrap with apt-get" >&2
-if ! $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends bubblewrap >/dev/null; then
+if ! $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends bubblewrap libseccomp2 >/dev/null; then
     $SUDO apt-get update -qq >/dev/null || true
-    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends bubblewrap >/dev/null || {
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends bubblewrap libseccomp2 >/dev/null || {
         echo "install_bwrap: apt-get could not install bubblewrap; the code sandbox cannot run without it" >&2
         exit 1
     }
 fi
 command -v bwrap >/dev/null 2>&1 || { echo "install_bwrap: bubblewrap installed but bwrap is not on PATH" >&2; exit 1; }
+have_libseccomp || { echo "install_bwrap: libseccomp2 installed but the loader does not find libseccomp.so.2" >&2; exit 1; }

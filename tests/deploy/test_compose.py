@@ -309,3 +309,25 @@ def test_entrypoint_picks_the_service_and_its_reachable_address(tmp_path, argv, 
     out = subprocess.run(["sh", str(ROOT / "deploy" / "docker" / "entrypoint.sh"), *argv], capture_output=True,
                          text=True, env={**clean, **env, "PATH": f"{tmp_path}:{clean['PATH']}"}, check=True).stdout
     assert out.strip() == expected
+
+
+def test_only_the_reward_container_may_build_the_code_sandbox(compose):
+    """F10(c): bubblewrap needs unshare, mount and a fresh /proc, which Docker's default seccomp and AppArmor
+    profiles and its masked /proc refuse; the reward container alone is let (its programs run under the sandbox's
+    own seccomp filter), every other container keeps Docker's defaults."""
+    for name, spec in compose["services"].items():
+        opts = set(spec.get("security_opt") or [])
+        if name == "reward":
+            assert opts == {"seccomp=unconfined", "apparmor=unconfined", "systempaths=unconfined"}
+        else:
+            assert not opts, f"{name} relaxes Docker's defaults: {opts}"
+        assert not spec.get("privileged") and not spec.get("cap_add"), name
+
+
+def test_every_runtime_image_installs_bubblewrap_and_a_system_python():
+    stages = re.split(r"^FROM ", DOCKERFILE.read_text(), flags=re.M)[1:]
+    runtime = {stage.split()[2]: stage for stage in stages if stage.split()[2] in ("cpu", "gpu", "ascend")}
+    assert set(runtime) == {"cpu", "gpu", "ascend"}
+    for name, stage in runtime.items():
+        assert re.search(r"apt-get install[^\n]*\\?\n?[^\n]*bubblewrap", stage), f"{name} lacks bubblewrap"
+    assert "ln -s /usr/local/bin/python3 /usr/bin/python3" in runtime["cpu"]  # the sandbox's interpreter

@@ -236,3 +236,25 @@ def test_nats_configuration_with_generated_credentials_is_valid(tmp_path, overla
                          text=True, timeout=30, env={**os.environ, "POD_NAME": "nats-0"})
     assert out.returncode == 0, out.stdout + out.stderr
     assert "route:" in (auth / "nats-cluster.conf").read_text() and oct((auth / "nats-auth.conf").stat().st_mode)[-3:] == "600"
+
+
+def test_only_the_reward_pod_may_build_the_code_sandbox(rendered):
+    """F10(c): the reward container runs without the runtime's seccomp and AppArmor profiles and with an unmasked
+    /proc (bubblewrap needs unshare, mount and a fresh /proc), inside a user namespace of its own; no other workload
+    relaxes anything."""
+    _, objects = rendered
+    for name, kind in WORKLOADS.items():
+        template = find(objects, kind, name)["spec"]["template"]
+        pod = template["spec"]
+        (container,) = pod["containers"]
+        context = container["securityContext"]
+        annotations = template["metadata"].get("annotations") or {}
+        assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault", name
+        if name == "reward":
+            assert pod["hostUsers"] is False
+            assert context["seccompProfile"]["type"] == "Unconfined" and context["procMount"] == "Unmasked"
+            assert annotations == {"container.apparmor.security.beta.kubernetes.io/reward": "unconfined"}
+        else:
+            assert "seccompProfile" not in context and "procMount" not in context and "hostUsers" not in pod, name
+            assert not any("apparmor" in key for key in annotations), name
+        assert context["capabilities"]["drop"] == ["ALL"] and not context.get("privileged"), name

@@ -35,9 +35,11 @@ def interpreter_mounts(interpreter: str) -> list[str]:
     return ["--ro-bind", prefix, prefix]
 
 
-def command(config: SandboxConfig, lang: Language, program: str | None, argv: list[str] | None = None) -> list[str]:
+def command(config: SandboxConfig, lang: Language, program: str | None, argv: list[str] | None = None,
+            seccomp_fd: int | None = None) -> list[str]:
     """`program`: the host path of the source file (bound read-only into SOURCE_DIR); `argv`: run this instead of
-    the language's command (the start-up check runs `true`)."""
+    the language's command (the start-up check runs `true`); `seccomp_fd`: a descriptor holding the seccomp
+    program bwrap installs last, just before the program starts (inherited by the run's first process)."""
     limits = config.limits
     prlimit = shutil.which("prlimit") or "/usr/bin/prlimit"
     outer = [prlimit, f"--cpu={limits.cpu_s}:{limits.cpu_s + 1}", f"--as={limits.memory_mb * MB}",
@@ -57,6 +59,8 @@ def command(config: SandboxConfig, lang: Language, program: str | None, argv: li
         bwrap += ["--ro-bind", program, inside]
     # the root and /dev are bwrap's own tmpfs mounts, with no size limit: read-only, so /tmp is the only place to write
     bwrap += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", WORK_DIR, "--clearenv"]
+    if seccomp_fd is not None:
+        bwrap += ["--seccomp", str(seccomp_fd)]
     for key, value in ENV.items():
         bwrap += ["--setenv", key, value]
     return [*outer, *bwrap, "--", *inner, "/bin/sh", "-c", '"$@"', "sh", *(argv or lang.command(config.python, inside))]

@@ -52,6 +52,7 @@ class SandboxConfig:
     uid_base: int = 1_200_000_000  # sandboxed processes run as uid_base + slot: no host user, no shared nproc count
     bwrap: str = "bwrap"
     cgroup: str = "auto"          # a run's aggregate bound: "auto" (ours, v2 or v1), "off", or a delegated v2 cgroup dir
+    seccomp: bool = True          # the program runs under a seccomp deny list (sandbox/seccomp.py; needs libseccomp)
 
     def __post_init__(self) -> None:
         if not (self.cgroup in ("auto", "off") or self.cgroup.startswith("/")):

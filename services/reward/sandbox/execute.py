@@ -48,8 +48,9 @@ class Result:
 
 
 def run(argv: list[str], stdin: bytes, uid: int | None, limits: Limits, memory_markers: tuple[str, ...] = (),
-        timeout_s: float | None = None, cgroup: Slot | None = None) -> Result:
-    """`cgroup`: the slot the run's first process joins (as the caller, before the uid switch) ahead of the rest."""
+        timeout_s: float | None = None, cgroup: Slot | None = None, pass_fds: tuple[int, ...] = ()) -> Result:
+    """`cgroup`: the slot the run's first process joins (as the caller, before the uid switch) ahead of the rest;
+    `pass_fds`: descriptors the run's first process inherits (the seccomp program bwrap reads)."""
     start = time.monotonic()
     deadline = start + (timeout_s or limits.timeout_s)
     argv, user = _as_user(argv, uid)
@@ -59,7 +60,7 @@ def run(argv: list[str], stdin: bytes, uid: int | None, limits: Limits, memory_m
         stdin_file.write(stdin)
         stdin_file.seek(0)
         proc = subprocess.Popen(argv, stdin=stdin_file, stdout=subprocess.PIPE, stderr=subprocess.PIPE, close_fds=True,
-                                start_new_session=True, env=HOST_ENV, cwd="/", **user)
+                                pass_fds=pass_fds, start_new_session=True, env=HOST_ENV, cwd="/", **user)
     try:
         streams, truncated, timed_out = _collect(proc, deadline, limits.max_output_bytes)
         if not timed_out:

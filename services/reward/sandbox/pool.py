@@ -13,7 +13,7 @@ import threading
 import weakref
 
 from services.common.errors import FieldError
-from services.reward.sandbox import bwrap, execute
+from services.reward.sandbox import bwrap, execute, seccomp
 from services.reward.sandbox.cgroup import JOIN_MARKER, MB, Cgroups, CgroupUnavailable
 from services.reward.sandbox.config import SandboxConfig
 from services.reward.sandbox.execute import Result
@@ -91,6 +91,12 @@ class Sandbox:
             raise SandboxUnavailable("sandbox: prlimit not found on PATH (Debian's util-linux package)")
         if not os.access(self.config.python, os.X_OK):
             raise SandboxUnavailable(f"sandbox: no interpreter at {self.config.python!r} (SandboxConfig.python)")
+        if self.config.seccomp:
+            try:
+                seccomp.filter_program()
+            except seccomp.SeccompUnavailable as exc:
+                raise SandboxUnavailable(f"sandbox: no seccomp filter for the programs (SandboxConfig.seccomp): "
+                                         f"{exc}") from exc
         try:
             result = self._run(None, b"", "python", None, argv=["true"])
             if self.cgroups is not None and JOIN_MARKER in result.cause and self.config.cgroup == "auto":
@@ -122,19 +128,23 @@ class Sandbox:
     def _run(self, program: str | None, stdin: bytes, language_name: str, timeout_s: float | None,
              argv: list[str] | None = None) -> Result:
         lang = language(language_name)
-        cmd = bwrap.command(self.config, lang, program, argv)
         try:
             slot = self._slots.get(timeout=SLOT_TIMEOUT_S)
         except queue.Empty:
             raise RuntimeError(f"sandbox: none of {self.config.concurrency} slots free within "
                                f"{SLOT_TIMEOUT_S:g}s") from None
+        filter_fd = seccomp.program_fd() if self.config.seccomp else None
         try:
+            cmd = bwrap.command(self.config, lang, program, argv, filter_fd)
             uid = self.uids[slot] if self.uids else None
             cgroup = self.cgroups.slots[slot] if self.cgroups else None
             kills = cgroup.oom_kills() if cgroup else 0
-            result = execute.run(cmd, stdin, uid, self.config.limits, lang.memory_markers, timeout_s, cgroup)
+            result = execute.run(cmd, stdin, uid, self.config.limits, lang.memory_markers, timeout_s, cgroup,
+                                 pass_fds=() if filter_fd is None else (filter_fd,))
             return self._out_of_memory(result, cgroup.oom_kills() - kills) if cgroup else result
         finally:
+            if filter_fd is not None:
+                os.close(filter_fd)
             self._slots.put(slot)
 
     def _out_of_memory(self, result: Result, kills: int) -> Result:

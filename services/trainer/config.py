@@ -25,7 +25,10 @@ class MegatronConfig:
     """``backend: megatron``: megatron-core's parallel sizes; data parallel is what ``ranks`` leaves over."""
     tp: int = 1   # tensor-parallel ranks
     pp: int = 1   # pipeline stages (pp > 1: not built yet)
-    ep: int = 1   # expert-parallel ranks of a MoE model (ep > 1: not built yet)
+    ep: int = 1   # expert-parallel ranks of a MoE model: each holds num_experts / ep experts (expert TP = tp)
+    # a MoE model's router load-balancing loss (Switch-style aux loss, megatron-core's `aux_loss`), added to the
+    # policy loss in every forward that trains; 0: none
+    moe_aux_loss_coeff: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "ep"):
@@ -34,8 +37,8 @@ class MegatronConfig:
         if self.pp > 1:
             raise FieldError("pp", "pipeline stages need megatron-core's pipeline schedules, which meshrl does not "
                              "drive yet (and which allocate on CUDA); use pp: 1")
-        if self.ep > 1:
-            raise FieldError("ep", "expert parallelism is not built into the megatron backend yet; use ep: 1")
+        if not 0.0 <= self.moe_aux_loss_coeff < float("inf"):
+            raise FieldError("moe_aux_loss_coeff", f"must be >= 0, got {self.moe_aux_loss_coeff}")
 
     def dp(self, ranks: int) -> int:
         return ranks // (self.tp * self.pp)
@@ -123,6 +126,9 @@ class TrainerConfig(ServiceConfig):
         m, algo = self.megatron, self.build_algorithm()
         if self.ranks % (m.tp * m.pp):
             raise FieldError("ranks", f"{self.ranks} ranks do not split into tp {m.tp} x pp {m.pp} x data parallel")
+        if self.ranks % (m.ep * m.tp * m.pp):
+            raise FieldError("megatron.ep", f"{self.ranks} ranks do not split into ep {m.ep} x expert tp {m.tp} x "
+                             f"pp {m.pp} (Megatron's expert groups)")
         if self.lora.enabled:
             raise FieldError("lora.enabled", "the megatron backend trains full weights only (use backend: torch)")
         if algo.is_offline or algo.needs_critic:

@@ -1,11 +1,11 @@
 """The megatron backend with 2 real megatron-core ranks (gloo on CPU) takes the steps the single-process torch
-backend takes on the same batches, at tp=2 (tensor parallel) and at tp=1 x dp=2: the same losses, gradient norms
+backend takes on the same batches, at tp=2 (tensor parallel), at tp=1 x dp=2, and on a tiny Qwen3-MoE at ep=2
+(expert parallel: each rank holds half the experts, tokens travel by all-to-all): the same losses, gradient norms
 and final weights, and a checkpoint resumed inside the group retakes its step exactly."""
 
 from __future__ import annotations
 
 import json
-import pathlib
 
 import pytest
 import torch
@@ -29,18 +29,24 @@ def model_dir(tmp_path_factory) -> str:
     return make_model_dir(tmp_path_factory.mktemp("tiny-tp"), layers=2, kv_heads=2)
 
 
-def config(model_dir: str, tp: int) -> TrainerConfig:
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> str:
+    """A tiny Qwen3-MoE: 4 experts a layer, top-2, two ep ranks holding two each."""
+    return make_model_dir(tmp_path_factory.mktemp("tiny-moe"), layers=2, kv_heads=2, experts=4)
+
+
+def config(model_dir: str, sizes: dict[str, int]) -> TrainerConfig:
     return TrainerConfig(model_path=model_dir, algo="grpo", max_new_tokens=NEW, wx_address="", optim=OPTIM,
-                         backend="megatron", ranks=RANKS, megatron=MegatronConfig(tp=tp))
+                         backend="megatron", ranks=RANKS, megatron=MegatronConfig(**sizes))
 
 
-def rank_main(rank: int, store: str, model_dir: str, tp: int, batches_file: str, out_file: str) -> None:
+def rank_main(rank: int, store: str, model_dir: str, sizes: dict[str, int], batches_file: str, out_file: str) -> None:
     """One rank: train STEPS batches, checkpoint before the last, resume from it and retake it."""
     from services.trainer.engine import build_engine
 
     torch.set_num_threads(1)
     join_cpu_group(rank, RANKS, store)
-    engine = build_engine(config(model_dir, tp))
+    engine = build_engine(config(model_dir, sizes))
     out = train_checkpoint_retake(engine, torch.load(batches_file, weights_only=False), rank, f"{out_file}.ckpt")
     torch.save({**out, "trainable": engine.trainable_parameters()}, f"{out_file}.{rank}")
     leave_cpu_group()
@@ -50,15 +56,18 @@ def close(a: float, b: float, rel: float = 1e-4, abs_: float = 1e-6) -> bool:
     return abs(a - b) <= max(rel * max(abs(a), abs(b)), abs_)
 
 
-@pytest.mark.parametrize("tp", [2, 1], ids=["tp=2", "tp=1,dp=2"])
-def test_two_megatron_ranks_take_the_single_process_steps(model_dir, tmp_path, tp):
+@pytest.mark.parametrize("sizes, moe", [({"tp": 2}, False), ({"tp": 1}, False), ({"ep": 2}, True)],
+                         ids=["tp=2", "tp=1,dp=2", "moe:ep=2,dp=2"])
+def test_two_megatron_ranks_take_the_single_process_steps(request, tmp_path, sizes, moe):
+    model_dir = request.getfixturevalue("moe_dir" if moe else "model_dir")
     torch.manual_seed(0)
     single = engine_for(model_dir, "grpo", optim=OPTIM)
     batches = [make_batch(single.model, seed=s, version=s) for s in range(STEPS)]
     torch.save(batches, tmp_path / "batches.pt")
+    initial = {name: t.detach().clone() for name, t in single.weights().items()}
     expected = [single.step(b, v) for v, b in enumerate(batches)]
     out = str(tmp_path / "out")
-    codes = run_spawned(rank_main, [(r, str(tmp_path / "store"), model_dir, tp, str(tmp_path / "batches.pt"), out)
+    codes = run_spawned(rank_main, [(r, str(tmp_path / "store"), model_dir, sizes, str(tmp_path / "batches.pt"), out)
                                     for r in range(RANKS)], deadline_s=DEADLINE)
     assert codes == [0] * RANKS, f"rank exit codes {codes} (negative: killed at the {DEADLINE}s deadline)"
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(RANKS)]
@@ -72,15 +81,14 @@ def test_two_megatron_ranks_take_the_single_process_steps(model_dir, tmp_path, t
     assert ranks[0]["trainable"] == single.trainable_parameters()  # rank 0 reports the whole model's
     weights = single.weights()
     assert set(ranks[0]["weights"]) == set(weights)
-    from services.trainer.backends.torch_backend import hf_tensors
-
-    initial, moved = hf_tensors(pathlib.Path(model_dir)), 0.0
+    moved = 0.0
     for name, tensor in weights.items():
         # ~1e-6 apart (reductions in another order; Adam's first steps magnify that where a gradient is ~0)
         torch.testing.assert_close(ranks[0]["weights"][name], tensor.detach(), rtol=1e-4, atol=5e-5, msg=name)
         moved = max(moved, float((ranks[0]["weights"][name] - initial[name]).abs().max()))
     assert moved > 1e-3  # the steps changed the weights: the comparison is not of two untrained models
-    assert json.loads((tmp_path / "out.ckpt" / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    architecture = "Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"
+    assert json.loads((tmp_path / "out.ckpt" / "config.json").read_text())["architectures"] == [architecture]
     assert ranks[0]["again_metrics"]["loss"] == got[-1]["loss"]
     for name, tensor in ranks[0]["weights"].items():
         assert torch.equal(ranks[0]["again_weights"][name], tensor), name
@@ -90,14 +98,31 @@ def test_two_megatron_ranks_take_the_single_process_steps(model_dir, tmp_path, t
     ({"ranks": 3, "megatron": MegatronConfig(tp=2)}, "^ranks: 3 ranks do not split"),
     ({"algo": "ppo"}, "^backend: megatron .* 'ppo'"),
     ({"packing": PackingConfig(enabled=True)}, "^packing.enabled: "),
+    ({"ranks": 2, "megatron": MegatronConfig(tp=2, ep=2)}, "^megatron.ep: 2 ranks do not split into ep 2"),
 ])
 def test_what_the_megatron_backend_cannot_run_is_refused_at_start_naming_the_field(settings, field):
     with pytest.raises(ValueError, match=field):
         TrainerConfig(backend="megatron", **{"ranks": 2, **settings})
 
 
-@pytest.mark.parametrize("sizes, field", [({"pp": 2}, "^pp: pipeline stages"), ({"ep": 2}, "^ep: expert"),
-                                          ({"tp": 0}, "^tp: must be >= 1")])
+@pytest.mark.parametrize("sizes, field", [({"pp": 2}, "^pp: pipeline stages"), ({"tp": 0}, "^tp: must be >= 1"),
+                                          ({"moe_aux_loss_coeff": -1.0}, "^moe_aux_loss_coeff: must be >= 0")])
 def test_the_parallel_sizes_not_built_yet_are_refused_naming_them(sizes, field):
     with pytest.raises(ValueError, match=field):
         MegatronConfig(**sizes)
+
+
+def test_moe_settings_reach_megatron_core_and_expert_parallelism_needs_experts():
+    from services.trainer.megatron.model import transformer_config
+    from services.weight_exchange.client.layouts.megatron import MegatronParallel
+    from services.weight_exchange.client.layouts.model import model_spec
+
+    moe, dense = model_spec("tiny-qwen3-moe"), model_spec("tiny-qwen3")
+    plain = transformer_config(moe, MegatronParallel(ep=2))
+    assert plain.moe_router_load_balancing_type == "none" and plain.expert_model_parallel_size == 2
+    balanced = transformer_config(moe, MegatronParallel(ep=2), moe_aux_loss_coeff=0.01)
+    assert (balanced.moe_router_load_balancing_type, balanced.moe_aux_loss_coeff) == ("aux_loss", 0.01)
+    with pytest.raises(ValueError, match="^ep: expert parallelism needs a MoE model"):
+        transformer_config(dense, MegatronParallel(ep=2))
+    with pytest.raises(ValueError, match="^ep: 8 experts do not split evenly over ep 3"):
+        transformer_config(moe, MegatronParallel(ep=3))

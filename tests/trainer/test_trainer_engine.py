@@ -21,11 +21,13 @@ from services.trainer.reference import ReferenceConfig
 GROUPS, GROUP, NEW = 4, 4, 4
 
 
-def make_model_dir(path, *, layers: int = 1, kv_heads: int = 1) -> str:
+def make_model_dir(path, *, layers: int = 1, kv_heads: int = 1, experts: int = 0) -> str:
+    """`experts` > 0: a Qwen3-MoE with that many top-2 experts a layer."""
     torch.manual_seed(0)
     tok = build_tokenizer()
     model = TinyQwen3Config(hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
-                            num_key_value_heads=kv_heads, head_dim=16, intermediate_size=64).build(padded_vocab_size(tok))
+                            num_key_value_heads=kv_heads, head_dim=16, intermediate_size=64,
+                            num_experts=experts).build(padded_vocab_size(tok))
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)

@@ -1,6 +1,9 @@
 """The ``megatron`` backend: the policy as megatron-core GPTModel ranks (tensor parallel over ``megatron.tp``
-ranks, data parallel over the rest), pp = 1: each microbatch's forward and backward run on the model directly,
-on CPU (gloo) or CUDA/NPU. Everything above the forward — the algorithms, minibatches, data-parallel row shares
+ranks, data parallel over the rest; a MoE model's experts split over ``megatron.ep`` ranks), pp = 1: each
+microbatch's forward and backward run on the model directly, on CPU (gloo) or CUDA/NPU. With ep > 1 the MoE
+layers gather every expert-group rank's tokens (megatron-core's all-gather dispatcher: its all-to-all one needs
+CUDA streams), so those ranks forward equal shapes and their expert gradients are reduced as megatron-core's DDP
+does (``ParallelGrads``). Everything above the forward — the algorithms, minibatches, data-parallel row shares
 (``shards.RowShards`` over the DP group) — is the torch backend's; the model answers as a causal LM
 (``megatron/causal_lm.py``), and the gradient clip reduces over the ranks.
 
@@ -48,7 +51,9 @@ class MegatronBackend(TorchBackend):
         super().__init__(config)
         from services.trainer.megatron.causal_lm import ParallelGrads
 
-        self.grads = ParallelGrads(self.model.gpt, self.model.gpt.config, self.tp_group, self.dp_group)
+        self.grads = ParallelGrads(self.model.gpt, self.model.gpt.config, self.tp_group, self.dp_group,
+                                   expert_dp_group=ps.get_expert_data_parallel_group(),
+                                   expert_mp_group=ps.get_expert_tensor_and_model_parallel_group())
         self.shards = RowShards(ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), self.device,
                                 group=self.dp_group)
         self.gather_weights()
@@ -65,11 +70,15 @@ class MegatronBackend(TorchBackend):
             allow_cpu_forward()
         hf = AutoModelForCausalLM.from_pretrained(self.config.model_path, dtype=torch.float32)
         par = current_parallel()
-        gpt = build_gpt_model(self.spec, par, **_architecture(hf.config))
+        gpt = build_gpt_model(self.spec, par, moe_aux_loss_coeff=self.config.megatron.moe_aux_loss_coeff,
+                              **_architecture(hf.config))
         gpt.load_state_dict(hf_to_megatron(canonical_state(hf.state_dict(), self.spec), self.spec, par), strict=True)
         if self.rank == 0:
             self.hf = hf.train()
-        return MegatronCausalLM(gpt, self.spec.vocab_size)
+        from megatron.core import parallel_state as ps
+
+        experts = ps.get_expert_tensor_and_model_parallel_group() if self.config.megatron.ep > 1 else None
+        return MegatronCausalLM(gpt, self.spec.vocab_size, experts)
 
     def clip_grads(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         return self.grads.clip(params, max_norm)
@@ -178,5 +187,11 @@ class MegatronBackend(TorchBackend):
 def _architecture(config) -> dict[str, Any]:
     """What the GPTModel needs beyond the layout's ModelSpec, from the transformers config."""
     rope = getattr(config, "rope_theta", None) or (getattr(config, "rope_parameters", None) or {}).get("rope_theta")
-    return {"rope_theta": float(rope or 10000.0), "norm_eps": float(getattr(config, "rms_norm_eps", 1e-6)),
-            "max_sequence_length": int(getattr(config, "max_position_embeddings", 4096))}
+    out = {"rope_theta": float(rope or 10000.0), "norm_eps": float(getattr(config, "rms_norm_eps", 1e-6)),
+           "max_sequence_length": int(getattr(config, "max_position_embeddings", 4096))}
+    if getattr(config, "num_experts", 0):
+        # Qwen3-MoE routes by softmax over all experts then top-k, renormalised when norm_topk_prob: megatron-core's
+        # top-k then softmax is the same; without renormalisation it is its pre-softmax router
+        out.update(moe_topk=int(config.num_experts_per_tok),
+                   moe_router_pre_softmax=not getattr(config, "norm_topk_prob", True))
+    return out

@@ -20,21 +20,35 @@ import torch.distributed as dist
 
 
 class MegatronCausalLM(torch.nn.Module):
-    def __init__(self, gpt: torch.nn.Module, vocab_size: int) -> None:
+    def __init__(self, gpt: torch.nn.Module, vocab_size: int, expert_group=None) -> None:
+        """`expert_group`: with expert parallelism, the ranks whose tokens the MoE layers gather (megatron-core's
+        expert tensor x model parallel group); their forwards are padded to one shape."""
         super().__init__()
         self.gpt = gpt
         self.vocab_size = vocab_size
+        self.expert_group = expert_group
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, use_cache: bool = False,
                 **_) -> types.SimpleNamespace:
+        rows, width = input_ids.shape
+        if self.expert_group is not None and dist.get_world_size(self.expert_group) > 1:
+            # the all-gather token dispatcher needs equal shapes on every rank of the group: pad rows and length
+            # (right padding, under the causal mask no real position sees it; its logits are dropped below)
+            shape = torch.tensor([rows, width], device=input_ids.device)
+            dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self.expert_group)
+            padded = input_ids.new_zeros(tuple(shape.tolist()))
+            padded[:rows, :width] = input_ids
+            return types.SimpleNamespace(logits=self._logits(padded)[:rows, :width])
+        return types.SimpleNamespace(logits=self._logits(input_ids))
+
+    def _logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
         width = input_ids.shape[1]
         positions = torch.arange(width, device=input_ids.device).expand_as(input_ids)
         causal = torch.triu(torch.ones(width, width, dtype=torch.bool, device=input_ids.device), 1)[None, None]
         local = self.gpt(input_ids, positions, causal)   # [B, L, V_padded / tp]
-        logits = gather_from_tensor_model_parallel_region(local)
-        return types.SimpleNamespace(logits=logits[..., :self.vocab_size])
+        return gather_from_tensor_model_parallel_region(local)[..., :self.vocab_size]
 
     def get_input_embeddings(self) -> types.SimpleNamespace:
         return types.SimpleNamespace(num_embeddings=self.vocab_size)
@@ -46,11 +60,20 @@ class ParallelGrads:
     parameters every TP rank holds a copy of but sees only its heads of (``q_layernorm`` / ``k_layernorm``, and
     sequence-parallel norms) summed over the TP group, ``average_gradients_across_tp_domain`` ones averaged; then
     one norm of the whole model — TP shards summed over the group, copies counted once — so every rank clips by
-    the same factor and the copies stay equal."""
+    the same factor and the copies stay equal.
 
-    def __init__(self, module: torch.nn.Module, config, tp_group, dp_group) -> None:
+    Expert-parallel parameters (megatron-core marks them ``allreduce = False``) are held by the ranks of one expert
+    data-parallel group only, and their gradients already hold every rank's rows (the token all-to-all carries
+    them back): summed over that group and divided by the whole data-parallel size, as megatron-core's DDP scales
+    them; their squares count once per expert, summed over the expert tensor x model parallel group."""
+
+    def __init__(self, module: torch.nn.Module, config, tp_group, dp_group, *, expert_dp_group=None,
+                 expert_mp_group=None) -> None:
         self.tp_group, self.dp_group = tp_group, dp_group
+        self.expert_dp_group, self.expert_mp_group = expert_dp_group, expert_mp_group
         self.tp_sum, self.tp_mean = [], []
+        self.experts = {id(p) for p in module.parameters() if not getattr(p, "allreduce", True)}
+        assert not self.experts or expert_mp_group is not None, "expert-parallel parameters need the expert groups"
         for name, p in module.named_parameters():
             if getattr(p, "average_gradients_across_tp_domain", False):
                 self.tp_mean.append(p)
@@ -62,20 +85,28 @@ class ParallelGrads:
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
         grads = [p for p in params if p.grad is not None]
+        dense = [p for p in grads if id(p) not in self.experts]
+        experts = [p for p in grads if id(p) in self.experts]
         dp = dist.get_world_size(self.dp_group)
-        if dp > 1:
-            for p in grads:
-                dist.all_reduce(p.grad, group=self.dp_group)
-                p.grad.div_(dp)
+        for members, group in ((dense, self.dp_group), (experts, self.expert_dp_group)):
+            reduce = bool(members) and dist.get_world_size(group) > 1
+            for p in members:
+                if reduce:
+                    dist.all_reduce(p.grad, group=group)
+                if dp > 1:
+                    p.grad.div_(dp)
         if dist.get_world_size(self.tp_group) > 1:
             for members, op in ((self.tp_sum, dist.ReduceOp.SUM), (self.tp_mean, dist.ReduceOp.AVG)):
                 for p in members:
                     if p.grad is not None:
                         dist.all_reduce(p.grad, op=op, group=self.tp_group)
-        counted = [p.grad for p in grads if param_is_not_tensor_parallel_duplicate(p)]
         device = grads[0].grad.device if grads else torch.device("cpu")
-        square = sum((g.float().square().sum() for g in counted), torch.zeros((), device=device))
+        square = _squares([p.grad for p in dense if param_is_not_tensor_parallel_duplicate(p)], device)
         dist.all_reduce(square, group=self.tp_group)
+        if self.experts:
+            expert_square = _squares([p.grad for p in experts], device)
+            dist.all_reduce(expert_square, group=self.expert_mp_group)
+            square = square + expert_square
         norm = square.sqrt()
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for p in grads:
@@ -100,3 +131,7 @@ def allow_cpu_forward() -> None:
     megatron_random.get_cuda_rng_tracker().fork = _nothing
     # tied embeddings move the shared weight with `.cuda()` before their all-reduce (pp > 1); stay on CPU
     torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+
+
+def _squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return sum((g.float().square().sum() for g in grads), torch.zeros((), device=device))

@@ -28,7 +28,8 @@ def current_parallel(vocab_divisor: int = 128) -> MegatronParallel:
 
 
 def transformer_config(spec: ModelSpec, par: MegatronParallel, *, params_dtype: torch.dtype = torch.float32,
-                       norm_eps: float = 1e-6, moe_topk: int = 2, cpu_init: bool = True, **overrides):
+                       norm_eps: float = 1e-6, moe_topk: int = 2, moe_aux_loss_coeff: float = 0.0,
+                       cpu_init: bool = True, **overrides):
     """The TransformerConfig whose GPTModel computes what the HF model computes (dropout off)."""
     from megatron.core.transformer import TransformerConfig
 
@@ -46,7 +47,16 @@ def transformer_config(spec: ModelSpec, par: MegatronParallel, *, params_dtype: 
         moe_ffn_hidden_size=spec.moe_intermediate_size if moe else None, moe_router_topk=moe_topk,
         # Qwen3-MoE: softmax over all experts, top-k, renormalised == top-k then softmax (pre_softmax False)
         moe_router_pre_softmax=False, moe_router_load_balancing_type="none", moe_grouped_gemm=False,
+        # megatron-core's all-gather dispatcher: its all-to-all one needs CUDA streams. It gathers equal shapes
+        # over the expert group, so every rank of that group forwards the same [rows, length] (MegatronCausalLM)
+        moe_token_dispatcher_type="allgather",
     )
+    if moe and moe_aux_loss_coeff > 0:
+        fields.update(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=moe_aux_loss_coeff)
+    if moe and spec.num_experts % par.ep:
+        raise FieldError("ep", f"{spec.num_experts} experts do not split evenly over ep {par.ep}")
+    if not moe and par.ep > 1:
+        raise FieldError("ep", f"expert parallelism needs a MoE model; {spec.num_experts} experts here")
     if spec.num_layers % par.pp:
         raise FieldError("pp", f"{spec.num_layers} layers do not split evenly over {par.pp} stages")
     fields.update(overrides)

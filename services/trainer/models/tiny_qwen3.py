@@ -96,9 +96,18 @@ class TinyQwen3Config:
     tie_word_embeddings: bool = True
     rms_norm_eps: float = 1e-6
     initializer_range: float = 0.02
+    num_experts: int = 0              # > 0: a Qwen3-MoE model, every layer's MLP `num_experts` routed experts
+    num_experts_per_tok: int = 2      # top-k routing, the k weights renormalised (Qwen3-MoE's norm_topk_prob)
+    moe_intermediate_size: int = 0    # each expert's; 0: intermediate_size // num_experts_per_tok
 
-    def qwen3_config(self, vocab_size: int, eos_token_id: int, pad_token_id: int | None = None) -> transformers.Qwen3Config:
-        return transformers.Qwen3Config(
+    def qwen3_config(self, vocab_size: int, eos_token_id: int, pad_token_id: int | None = None) -> transformers.PretrainedConfig:
+        moe = {}
+        if self.num_experts:
+            moe = dict(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                       moe_intermediate_size=self.moe_intermediate_size or self.intermediate_size // self.num_experts_per_tok,
+                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False)
+        return (transformers.Qwen3MoeConfig if self.num_experts else transformers.Qwen3Config)(
+            **moe,
             vocab_size=vocab_size,
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
@@ -118,10 +127,12 @@ class TinyQwen3Config:
             torch_dtype="float32",
         )
 
-    def build(self, vocab_size: int, eos_token_id: int = 256, pad_token_id: int | None = None) -> transformers.Qwen3ForCausalLM:
-        """A freshly initialised float32 Qwen3ForCausalLM (seed torch before calling for determinism)."""
+    def build(self, vocab_size: int, eos_token_id: int = 256, pad_token_id: int | None = None) -> transformers.PreTrainedModel:
+        """A freshly initialised float32 Qwen3ForCausalLM, or Qwen3MoeForCausalLM with `num_experts` (seed torch
+        before calling for determinism)."""
         config = self.qwen3_config(vocab_size, eos_token_id, pad_token_id)
-        model = transformers.Qwen3ForCausalLM(config).to(torch.float32)
+        model_class = transformers.Qwen3MoeForCausalLM if self.num_experts else transformers.Qwen3ForCausalLM
+        model = model_class(config).to(torch.float32)
         model.generation_config.eos_token_id = eos_token_id
         model.generation_config.pad_token_id = config.pad_token_id
         model.generation_config.bos_token_id = eos_token_id

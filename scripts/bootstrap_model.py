@@ -257,13 +257,15 @@ def main(argv: list[str] | None = None) -> int:
     style.add_argument("--tools", action="store_true",
                        help="the calculator agent's tool-using episodes (examples/agents) through the chat template")
     ap.add_argument("--layers", type=int, default=MODEL.num_hidden_layers)
+    ap.add_argument("--experts", type=int, default=0, help="> 0: a Qwen3-MoE with this many top-2 experts a layer")
     ap.add_argument("--eval-every", type=int, default=SFT_EVAL_EVERY, help="SFT steps between held-out evaluations")
     args = ap.parse_args(argv)
     global PROMPT_STYLE
     PROMPT_STYLE = "tools" if args.tools else "chat" if args.chat else "raw"
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    tokenizer, model = build(args.seed, dataclasses.replace(MODEL, num_hidden_layers=args.layers))
+    tokenizer, model = build(args.seed, dataclasses.replace(MODEL, num_hidden_layers=args.layers,
+                                                            num_experts=args.experts))
     log = (lambda rec: print(json.dumps(rec), file=sys.stderr, flush=True)) if args.verbose else None
     curriculum = tool_curriculum(tokenizer, args.seed) if args.tools else None
     summary = sft(model, tokenizer, args.seed, lr=args.lr, max_steps=args.max_steps, band=tuple(args.band), log=log,

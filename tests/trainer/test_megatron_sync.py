@@ -1,6 +1,7 @@
-"""Each megatron rank a sender (``shard_sync``): two tensor-parallel ranks of the megatron backend, after a training
-step, serve their own live shards to a real weight-exchange service, and a receiver holding the Hugging Face layout
-gets exactly the weights the group trained — each byte once, pulled from the rank that holds it."""
+"""Each megatron rank a sender (``shard_sync``): two ranks of the megatron backend — tensor parallel on the tiny
+Qwen3, expert parallel on the tiny Qwen3-MoE — after a training step serve their own live shards to a real
+weight-exchange service, and a receiver holding the Hugging Face layout (fused experts, for the MoE) gets exactly
+the weights the group trained — each byte once, pulled from the rank that holds it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from services.trainer.config import MegatronConfig, TrainerConfig
 from tests.ranks import join_cpu_group, leave_cpu_group, run_spawned
 from tests.trainer.test_trainer_engine import NEW, engine_for, make_batch
-from tests.weight_exchange.test_sync_path import stack  # noqa: F401  (the fixture: nats, service, receiver)
+from tests.weight_exchange.test_sync_path import sync_stack
 from tests.weight_exchange.tiny import VOCAB
 
 pytest.importorskip("megatron.core")
@@ -20,16 +21,22 @@ pytest.importorskip("megatron.core")
 RANKS, DEADLINE, VERSION = 2, 300.0, 1
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    """The receiver's architecture (the built-in tiny Qwen3), at other weights."""
+CASES = {"tp=2": ({"tp": 2}, 0), "moe:ep=2,dp=2": ({"ep": 2}, 4)}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    """(parallel sizes, the trainer's model directory, the running stack): the receiver's architecture (the built-in
+    tiny Qwen3, or its Qwen3-MoE with 4 experts), the trainer's at other weights."""
     from services.trainer.models import TinyQwen3Config, build_tokenizer
 
+    sizes, experts = CASES[request.param]
     path = tmp_path_factory.mktemp("tiny-sync")
     torch.manual_seed(3)
-    TinyQwen3Config().build(VOCAB).save_pretrained(path)
+    TinyQwen3Config(num_experts=experts).build(VOCAB).save_pretrained(path)
     build_tokenizer().save_pretrained(path)
-    return str(path)
+    with sync_stack(tmp_path_factory.mktemp("sync"), "--experts", str(experts)) as stack:
+        yield sizes, str(path), stack
 
 
 async def serve_and_sync(engine, rank: int, address: str) -> dict:
@@ -55,13 +62,14 @@ async def serve_and_sync(engine, rank: int, address: str) -> dict:
     return out
 
 
-def rank_main(rank: int, store: str, model_dir: str, batch_file: str, address: str, out_file: str) -> None:
+def rank_main(rank: int, store: str, model_dir: str, sizes: dict[str, int], batch_file: str, address: str,
+              out_file: str) -> None:
     from services.trainer.engine import build_engine
 
     torch.set_num_threads(1)
     join_cpu_group(rank, RANKS, store)
     engine = build_engine(TrainerConfig(model_path=model_dir, algo="grpo", max_new_tokens=NEW, wx_address="",
-                                        backend="megatron", ranks=RANKS, megatron=MegatronConfig(tp=2),
+                                        backend="megatron", ranks=RANKS, megatron=MegatronConfig(**sizes),
                                         shard_sync=True))
     before = {name: t.detach().clone() for name, t in engine.weights().items()}
     engine.step(torch.load(batch_file, weights_only=False), 0)
@@ -74,11 +82,12 @@ def rank_main(rank: int, store: str, model_dir: str, batch_file: str, address: s
     leave_cpu_group()
 
 
-def test_two_megatron_ranks_each_send_their_own_shards_into_the_receiver(stack, model_dir, tmp_path):  # noqa: F811
+def test_two_megatron_ranks_each_send_their_own_shards_into_the_receiver(case, tmp_path):
+    sizes, model_dir, stack = case
     single = engine_for(model_dir, "grpo")
     torch.save(make_batch(single.model, seed=0, version=0), tmp_path / "batch.pt")
     out = str(tmp_path / "out")
-    codes = run_spawned(rank_main, [(r, str(tmp_path / "store"), model_dir, str(tmp_path / "batch.pt"),
+    codes = run_spawned(rank_main, [(r, str(tmp_path / "store"), model_dir, sizes, str(tmp_path / "batch.pt"),
                                      stack["address"], out) for r in range(RANKS)], deadline_s=DEADLINE)
     assert codes == [0] * RANKS, f"rank exit codes {codes} (negative: killed at the {DEADLINE}s deadline)"
     rank0, rank1 = (torch.load(f"{out}.{r}", weights_only=False) for r in range(RANKS))

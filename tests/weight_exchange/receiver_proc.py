@@ -1,4 +1,4 @@
-"""A receiver process for the sync-path test: a tiny Qwen3 'engine' hosting the weight agent.
+"""A receiver process for the sync-path test: a tiny Qwen3 (or Qwen3-MoE) 'engine' hosting the weight agent.
 
 After every resume it saves its tensors to `<out>/v<version>.pt` and appends the event to `<out>/events.jsonl`.
 """
@@ -22,7 +22,7 @@ from tests.weight_exchange.tiny import tiny_qwen3
 async def run(args: argparse.Namespace) -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = tiny_qwen3(seed=args.seed)
+    model = tiny_qwen3(seed=args.seed, experts=args.experts)
     events = out / "events.jsonl"
 
     def log(kind: str, version: int | None = None) -> None:
@@ -60,6 +60,7 @@ def main() -> None:
     parser.add_argument("--wx", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--experts", type=int, default=0, help="> 0: the tiny Qwen3-MoE with this many experts")
     parser.add_argument("--pause-delay", type=float, default=0.0)
     parser.add_argument("--heartbeat", type=float, default=2.0)
     args = parser.parse_args()

@@ -32,7 +32,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     """nats-server, the weight-exchange service and one receiver process."""
-    tmp = tmp_path_factory.mktemp("sync")
+    with sync_stack(tmp_path_factory.mktemp("sync")) as running:
+        yield running
+
+
+@contextlib.contextmanager
+def sync_stack(tmp: pathlib.Path, *receiver_args: str):
+    """nats-server, the weight-exchange service and one receiver process (`receiver_args`: receiver_proc's)."""
     nats_server = NatsServer(tmp / "nats")
     nats_server.start()
     address = f"127.0.0.1:{free_port()}"
@@ -42,7 +48,8 @@ def stack(tmp_path_factory):
     service = subprocess.Popen([sys.executable, "-m", "services.weight_exchange"], cwd=ROOT, env=env,
                                stderr=open(tmp / "service.log", "w"))
     receiver = subprocess.Popen([sys.executable, "-m", "tests.weight_exchange.receiver_proc", "--wx", address,
-                                 "--out", str(tmp / "rollout-0")], cwd=ROOT, stderr=open(tmp / "receiver.log", "w"))
+                                 "--out", str(tmp / "rollout-0"), *receiver_args], cwd=ROOT,
+                                stderr=open(tmp / "receiver.log", "w"))
     try:
         deadline = time.time() + 60
         while not (tmp / "rollout-0" / "events.jsonl").exists():

@@ -9,9 +9,10 @@ from services.trainer.models.tiny_qwen3 import TinyQwen3Config
 VOCAB = 264
 
 
-def tiny_qwen3(seed: int, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def tiny_qwen3(seed: int, dtype: torch.dtype = torch.float32, experts: int = 0) -> torch.nn.Module:
+    """`experts` > 0: the Qwen3-MoE of the same shape (that many top-2 experts a layer)."""
     torch.manual_seed(seed)
-    return TinyQwen3Config().build(VOCAB).to(dtype)
+    return TinyQwen3Config(num_experts=experts).build(VOCAB).to(dtype)
 
 
 def perturb(model: torch.nn.Module, seed: int) -> None:

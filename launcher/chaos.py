@@ -29,6 +29,10 @@ from services.common.credentials import LEASED
 from services.common.errors import FieldError
 
 TARGETS = (*SERVICES, "nats")
+# a trainer rank group's second rank (a megatron or fsdp2 trainer with `ranks` > 1): killed alone, it fails rank 0
+# at its next collective or heartbeat, and the supervisor restarts the whole group from the newest checkpoint
+TRAINER_RANK = "trainer-rank1"
+KNOWN_TARGETS = (*TARGETS, TRAINER_RANK)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +47,8 @@ def schedule(seed: int, total_steps: int, *, kills: int | None = None,
     """`kills` kills (default: one per service) at seeded versions inside the run; every service in `services`
     is hit at least once when kills >= len(services)."""
     for s in services:
-        if s not in TARGETS:
-            raise FieldError("services", f"unknown {s!r} (known: {', '.join(TARGETS)})")
+        if s not in KNOWN_TARGETS:
+            raise FieldError("services", f"unknown {s!r} (known: {', '.join(KNOWN_TARGETS)})")
     if not services:
         raise FieldError("services", "empty")
     n = len(services) if kills is None else kills
@@ -98,17 +102,23 @@ class Killer(threading.Thread):
             before = self.stack.restart_count(target)
             version = self.events.version
             hold = self.nats_outage if kill.service == "nats" else 0.0
-            self.stack.kill(target, hold=hold)
+            if kill.service == TRAINER_RANK:
+                self.stack.kill_trainer_rank(1)
+            else:
+                self.stack.kill(target, hold=hold)
             record = {"service": kill.service, "wall_second": round(time.time() - self.started, 1),
                       "policy_version": version, **({"down_seconds": hold} if hold else {})}
             self.done.append(record)
-            settled = self._settle(kill.service, target, before)
+            settled = self._settle("trainer" if kill.service == TRAINER_RANK else kill.service, target, before)
             if kill.service in self.stack.standbys:  # which instance died, which one serves now
                 record.update(instance=target, active_after=self.stack.active(kill.service), settled=settled)
 
     def _victim(self, service: str) -> str | None:
         """The supervised name to kill: the service (or "nats"), or with a standby its active instance, once the
-        other one is known to stand by (else the kill would test nothing)."""
+        other one is known to stand by (else the kill would test nothing); for a trainer rank, the trainer (the
+        supervised rank 0, which the group's failure restarts)."""
+        if service == TRAINER_RANK:
+            return "trainer"
         if service not in self.stack.standbys:
             return service
         deadline = time.time() + self.settle_timeout
@@ -239,6 +249,9 @@ def chaos(config: str = "configs/chaos.yaml", *, seed: int = 0, kills: int | Non
     if total < 4:
         raise FieldError("total_steps", f"a chaos run needs at least 4, got {total}")
     plan = schedule(seed, total, kills=kills, services=services)
+    if TRAINER_RANK in services and derived.trainer.ranks < 2:
+        raise FieldError("services", f"{TRAINER_RANK} needs a trainer of 2 or more ranks; {config} has "
+                         f"{derived.trainer.ranks}")
     for service in standby:
         if service not in LEASED:
             raise FieldError("standby", f"{service!r} is not a single-active service (one of {', '.join(LEASED)})")

@@ -121,7 +121,8 @@ def build_parser(prog: str = "meshrl") -> argparse.ArgumentParser:
     p.add_argument("--name", default="")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kills", type=int, default=None, help="number of kills (default: one per service)")
-    p.add_argument("--services", default="", help="comma-separated targets (default: the five services and nats)")
+    p.add_argument("--services", default="", help="comma-separated targets (default: the five services and nats; "
+                   "trainer-rank1: the second rank of a trainer rank group alone)")
     p.add_argument("--nats", choices=NATS_MODES, default="single")
     p.add_argument("--nats-outage", type=float, default=0.0, help="seconds nats-server stays down when killed")
     p.add_argument("--model-seed", type=int, default=0, help="the run's model and sampling seed (--seed picks kills)")

@@ -5,6 +5,7 @@ processes, each restarted by a supervisor when it dies (`make run` in-process, `
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import pathlib
@@ -219,6 +220,16 @@ class Stack:
         child = self._child(name)
         self.supervisor.kill(child, sig, hold=hold)
         return child
+
+    def kill_trainer_rank(self, rank: int, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` to rank `rank` (>= 1) of the trainer's rank group alone; the group's failure reaches rank 0,
+        which the supervisor restarts with the whole group."""
+        ranks = self.trainer_ranks
+        if ranks is None or not 1 <= rank < ranks.ranks or len(ranks.followers) < rank:
+            raise FieldError("rank", f"no trainer rank {rank} running (the trainer has "
+                             f"{ranks.ranks if ranks else 1} ranks)")
+        with contextlib.suppress(ProcessLookupError):
+            ranks.followers[rank - 1].send_signal(sig)
 
     def _child(self, name: str) -> str:
         if name == "nats":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from launcher.audit import Audit
-from launcher.chaos import TARGETS, schedule
+from launcher.chaos import TARGETS, TRAINER_RANK, chaos, schedule
 
 
 def test_every_target_is_hit_once_by_default_at_versions_inside_the_run():
@@ -24,6 +24,13 @@ def test_more_kills_than_services_cycle_and_unknown_services_are_refused():
         schedule(0, 30, services=("postgres",))
     with pytest.raises(ValueError, match="kills"):
         schedule(0, 30, kills=-1)
+
+
+def test_a_trainer_rank_is_a_target_only_when_named_and_only_for_a_rank_group():
+    assert TRAINER_RANK not in {k.service for k in schedule(0, 40, kills=20)}  # not in the default set
+    assert {k.service for k in schedule(0, 30, kills=2, services=(TRAINER_RANK,))} == {TRAINER_RANK}
+    with pytest.raises(ValueError, match=f"^services: {TRAINER_RANK} needs a trainer of 2 or more ranks"):
+        chaos("configs/chaos.yaml", services=(TRAINER_RANK,), progress=False)
 
 
 def audit(**overrides) -> Audit:

@@ -587,6 +587,9 @@ class RecordingBus:
         self.kv[key] = value
         return len(self.kv)
 
+    def stream_max_bytes(self, spec) -> int:
+        return -1  # no byte caps: the builder's TRAJ capacity check has nothing to refuse
+
 
 async def settle(decode: Callable, handle: Callable, msg: FuzzMsg, *, manual_ack: bool = False) -> str:
     """What consume() does with one message: ok (acked or held), dead_letter (InvalidMessage), or the error."""
@@ -649,7 +652,7 @@ def fuzz_bus(target: str, cases: int, seed: int) -> Tally:
 
         tok = build_tokenizer()
         builder = Builder(BuilderConfig(batch_size=2, group_size=2, eval_size=4, train_size=8), bus,
-                          lambda text: tok.encode(text, add_special_tokens=False), [tok.eos_token_id])
+                          lambda task: tok.encode(task.prompt, add_special_tokens=False), [tok.eos_token_id])
         builder.ledger.kv = bus
         builder.budget.in_flight = 10**9  # a builder in a run: workflow groups g-* were issued (its budget asserts so)
         builder.live.set()

@@ -102,14 +102,15 @@ class Killer(threading.Thread):
             before = self.stack.restart_count(target)
             version = self.events.version
             hold = self.nats_outage if kill.service == "nats" else 0.0
-            if kill.service == TRAINER_RANK:
+            rank_alone = kill.service == TRAINER_RANK  # the supervised trainer comes back with its group
+            if rank_alone:
                 self.stack.kill_trainer_rank(1)
             else:
                 self.stack.kill(target, hold=hold)
             record = {"service": kill.service, "wall_second": round(time.time() - self.started, 1),
                       "policy_version": version, **({"down_seconds": hold} if hold else {})}
             self.done.append(record)
-            settled = self._settle("trainer" if kill.service == TRAINER_RANK else kill.service, target, before)
+            settled = self._settle("trainer" if rank_alone else kill.service, target, before)
             if kill.service in self.stack.standbys:  # which instance died, which one serves now
                 record.update(instance=target, active_after=self.stack.active(kill.service), settled=settled)
 

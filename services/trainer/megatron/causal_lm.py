@@ -63,8 +63,8 @@ class ParallelGrads:
     the same factor and the copies stay equal.
 
     Expert-parallel parameters (megatron-core marks them ``allreduce = False``) are held by the ranks of one expert
-    data-parallel group only, and their gradients already hold every rank's rows (the token all-to-all carries
-    them back): summed over that group and divided by the whole data-parallel size, as megatron-core's DDP scales
+    data-parallel group only, and their gradients already hold every expert-group rank's rows (the all-gather
+    dispatcher's backward reduce-scatters them back): summed over that group and divided by the whole data-parallel size, as megatron-core's DDP scales
     them; their squares count once per expert, summed over the expert tensor x model parallel group."""
 
     def __init__(self, module: torch.nn.Module, config, tp_group, dp_group, *, expert_dp_group=None,

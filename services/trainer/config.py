@@ -24,8 +24,13 @@ _IGNORED_OFFLINE = ("dynamic_sampling",)
 class MegatronConfig:
     """``backend: megatron``: megatron-core's parallel sizes; data parallel is what ``ranks`` leaves over."""
     tp: int = 1   # tensor-parallel ranks
-    pp: int = 1   # pipeline stages (pp > 1: not built yet)
+    pp: int = 1   # pipeline stages: megatron-core's 1F1B schedule (without interleaving) over them
     ep: int = 1   # expert-parallel ranks of a MoE model: each holds num_experts / ep experts (expert TP = tp)
+    # uneven stages, as Megatron names them: the first / last stage's layers, the rest split evenly over the
+    # other stages (the weight exchange's layouts follow the same rule); None: every stage alike
+    num_layers_in_first_pipeline_stage: int | None = None
+    num_layers_in_last_pipeline_stage: int | None = None
+    microbatches: int = 0  # pp > 1: microbatches per minibatch through the pipeline; 0: 2 x pp
     # a MoE model's router load-balancing loss (Switch-style aux loss, megatron-core's `aux_loss`), added to the
     # policy loss in every forward that trains; 0: none
     moe_aux_loss_coeff: float = 0.0
@@ -34,18 +39,30 @@ class MegatronConfig:
         for name in ("tp", "pp", "ep"):
             if getattr(self, name) < 1:
                 raise FieldError(name, f"must be >= 1, got {getattr(self, name)}")
-        if self.pp > 1:
-            raise FieldError("pp", "pipeline stages need megatron-core's pipeline schedules, which meshrl does not "
-                             "drive yet (and which allocate on CUDA); use pp: 1")
+        for name in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
+            value = getattr(self, name)
+            if value is not None and (self.pp == 1 or value < 1):
+                raise FieldError(name, f"needs pp > 1 and a value >= 1, got {value} with pp {self.pp}")
+        if self.microbatches < 0:
+            raise FieldError("microbatches", f"must be >= 0, got {self.microbatches}")
         if not 0.0 <= self.moe_aux_loss_coeff < float("inf"):
             raise FieldError("moe_aux_loss_coeff", f"must be >= 0, got {self.moe_aux_loss_coeff}")
 
     def dp(self, ranks: int) -> int:
         return ranks // (self.tp * self.pp)
 
+    @property
+    def pipeline_microbatches(self) -> int:
+        return self.microbatches or 2 * self.pp
+
     def side(self, ranks: int) -> str:
-        """The weight exchange's name of this layout (``megatron:tp=2,dp=2``)."""
-        return f"megatron:tp={self.tp},pp={self.pp},ep={self.ep},dp={self.dp(ranks)}"
+        """The weight exchange's name of this layout (``megatron:tp=2,pp=1,ep=1,dp=2``; uneven stages add
+        ``first=`` / ``last=``)."""
+        out = f"megatron:tp={self.tp},pp={self.pp},ep={self.ep},dp={self.dp(ranks)}"
+        for key, value in (("first", self.num_layers_in_first_pipeline_stage),
+                           ("last", self.num_layers_in_last_pipeline_stage)):
+            out += f",{key}={value}" if value is not None else ""
+        return out
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -9,13 +9,18 @@ leave 0 elsewhere; ``sequence_logits`` fills every real position and leaves 0 pa
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
 from services.trainer.algorithms import token_logp
 from services.trainer.batching import PackedBatch
+from services.trainer.optim import Clip, apply_update
 from services.trainer.packing import active, pack_rows, packed_logits
+
+# (rows of the minibatch or None for all, their log-probs, their entropies) -> (loss, stats) of those rows
+LossOf = Callable[[Any, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
 
 
 def _packed_logits(model: torch.nn.Module, batch: PackedBatch, cells: torch.Tensor):
@@ -53,7 +58,7 @@ def policy_logp(model: torch.nn.Module, batch: PackedBatch, temperature: float) 
     return token_logp(sequence_logits(model, batch), batch.input_ids[:, 1:], temperature)
 
 
-def _logp_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: float,
+def logits_logp_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: float,
                   entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One log-softmax for both; the entropy keeps no vocabulary-sized graph unless ``entropy_grad``."""
     logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
@@ -69,9 +74,9 @@ def logp_and_entropy(model: torch.nn.Module, batch: PackedBatch, temperature: fl
     if active() is not None:
         cells = _trained_cells(batch)
         logits, rows, cols = _packed_logits(model, batch, cells)
-        logp, entropy = _logp_entropy(logits, batch.input_ids[:, 1:][cells], temperature, entropy_grad)
+        logp, entropy = logits_logp_entropy(logits, batch.input_ids[:, 1:][cells], temperature, entropy_grad)
         return _on_grid(logp, rows, cols, batch), _on_grid(entropy, rows, cols, batch)
-    return _logp_entropy(sequence_logits(model, batch), batch.input_ids[:, 1:], temperature, entropy_grad)
+    return logits_logp_entropy(sequence_logits(model, batch), batch.input_ids[:, 1:], temperature, entropy_grad)
 
 
 @contextlib.contextmanager
@@ -90,3 +95,25 @@ def frozen_logp(model: torch.nn.Module, batch: PackedBatch, temperature: float) 
     """Per-token log-probs with no grad and no dropout, float[B, L-1]."""
     with evaluating(model):
         return policy_logp(model, batch, temperature)
+
+
+class Forwards:
+    """How a training step runs the policy: here directly, one process computing whole rows' logits, the loss
+    backpropagated by ``update``. A pipeline-parallel policy (``megatron/pipeline.py``) runs the same three calls
+    through its stages."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def frozen_logp(self, batch: PackedBatch, temperature: float) -> torch.Tensor:
+        return frozen_logp(self.model, batch, temperature)
+
+    def loss(self, batch: PackedBatch, temperature: float, *, entropy_grad: bool, loss_of: LossOf
+             ) -> tuple[torch.Tensor, dict[str, float]]:
+        """``loss_of`` on every row of ``batch`` (one forward): the loss, still to be backpropagated, and stats."""
+        logp, entropy = logp_and_entropy(self.model, batch, temperature, entropy_grad=entropy_grad)
+        return loss_of(None, logp, entropy)
+
+    def update(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor, grad_clip: float,
+               schedule: torch.optim.lr_scheduler.LRScheduler | None, clip: Clip | None) -> dict[str, float]:
+        return apply_update(self.model, optimizer, loss, grad_clip, schedule, clip)

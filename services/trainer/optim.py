@@ -58,6 +58,14 @@ def apply_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss:
     ``clip_grad_norm_``) is where a model split over ranks reduces its gradients and takes their global norm."""
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
+    return optimizer_step(optimizer, grad_clip, schedule, clip)
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, grad_clip: float,
+                   schedule: torch.optim.lr_scheduler.LRScheduler | None = None, clip: Clip | None = None
+                   ) -> dict[str, float]:
+    """Clip and step on the gradients the parameters hold (``apply_update`` after its backward; a pipeline
+    schedule's backward has accumulated them itself)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     grad_norm = (clip or torch.nn.utils.clip_grad_norm_)(params, grad_clip)
     lr = optimizer.param_groups[0]["lr"]

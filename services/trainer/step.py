@@ -14,8 +14,8 @@ import torch
 
 from services.trainer.algorithms import Algorithm, kl_estimate, masked_mean, token_entropy
 from services.trainer.batching import PackedBatch, batch_staleness
-from services.trainer.forward import frozen_logp, logp_and_entropy, policy_logp, sequence_logits
-from services.trainer.optim import Clip, OptimConfig, StatsMean, apply_update
+from services.trainer.forward import Forwards, policy_logp, sequence_logits
+from services.trainer.optim import Clip, OptimConfig, StatsMean
 
 if TYPE_CHECKING:
     from services.trainer.backends.shards import RowShards
@@ -63,13 +63,14 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, algo: A
                schedule: torch.optim.lr_scheduler.LRScheduler | None = None, critic: Critic | None = None,
                reference: Reference | None = None, sft_min_reward: float = 0.0,
                phases: dict[str, float] | None = None, shards: RowShards | None = None,
-               clip: Clip | None = None) -> dict[str, float]:
+               clip: Clip | None = None, forwards: Forwards | None = None) -> dict[str, float]:
     """One step of ``algo`` on ``batch``; returns the step's metrics (means over updates, maxima for ``*_max``).
     ``phases``, when given, receives the seconds spent in each phase (kept out of the metrics: those are a
     deterministic function of the inputs). ``shards`` (data-parallel ranks, each holding the whole batch): the
     no-grad forwards are split across the ranks and gathered, each rank trains its share of every minibatch
     with its loss weighted by its share of the minibatch's loss weight, and the stats are reduced over ranks.
-    ``clip``: see ``optim.apply_update``."""
+    ``clip``: see ``optim.apply_update``. ``forwards``: how the policy's forwards and backward run (default:
+    directly on ``model``; a pipeline-parallel policy through its stages)."""
     phases = {} if phases is None else phases
     if algo.is_offline:
         from services.trainer.offline_step import offline_step
@@ -81,6 +82,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, algo: A
     if algo.needs_reference and reference is None:
         raise ValueError(f"algorithm {algo.config.preset or algo.config.objective!r} needs a reference model")
     model.train()
+    forwards = forwards or Forwards(model)
     metrics = batch_metrics(batch, version)
     report = algo.filter_groups_report(batch.rewards, batch.group_ids)
     metrics.update(report.stats(), samples_kept=float(report.keep.sum()))
@@ -92,10 +94,10 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, algo: A
     def every_row(fn):
         return fn(batch) if shards is None else shards.gather_rows(fn, batch)
 
-    prox = every_row(lambda b: frozen_logp(model, b, temperature)) if algo.needs_prox_logp else None
+    prox = every_row(lambda b: forwards.frozen_logp(b, temperature)) if algo.needs_prox_logp else None
     ref = every_row(lambda b: reference.logp(b, temperature)) if reference is not None else None
     if ref is not None:
-        start = prox if prox is not None else every_row(lambda b: frozen_logp(model, b, temperature))
+        start = prox if prox is not None else every_row(lambda b: forwards.frozen_logp(b, temperature))
         metrics["kl_ref_k3"] = kl_to_reference(start, ref, batch.loss_mask)
     old_values = critic.frozen_values(batch) if critic is not None else None
     phases["recompute"] = time.perf_counter() - started  # no-grad forwards: prox, reference, critic
@@ -111,23 +113,29 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, algo: A
     forward = update = 0.0
     for part in minibatches(batch.size, optim, generator):
         started = time.perf_counter()
+        scale = weight = 1.0
         if shards is not None:
             part, scale, weight = shards.split(part, batch.loss_mask, algo.loss_weight)
         mb = batch.rows(part)
-        logp, entropy = logp_and_entropy(model, mb, temperature, entropy_grad=algo.config.entropy_coef > 0)
-        loss, stats = algo.policy_loss(
-            logp=logp, prox_logp=None if prox is None else prox[part], behav_logp=mb.behav_logp,
-            advantages=result.advantages[part], loss_mask=mb.loss_mask, versions=mb.versions,
-            current_version=version, entropy=entropy, ref_logp=None if ref is None else ref[part])
+
+        def loss_of(rows, logp, entropy, mb=mb, part=part, scale=scale):
+            sub, at = (mb, part) if rows is None else (mb.rows(rows), part[rows])
+            loss, stats = algo.policy_loss(
+                logp=logp, prox_logp=None if prox is None else prox[at], behav_logp=sub.behav_logp,
+                advantages=result.advantages[at], loss_mask=sub.loss_mask, versions=sub.versions,
+                current_version=version, entropy=entropy, ref_logp=None if ref is None else ref[at])
+            return loss * scale, stats
+
+        loss, stats = forwards.loss(mb, temperature, entropy_grad=algo.config.entropy_coef > 0, loss_of=loss_of)
         if shards is not None:
-            loss, stats = loss * scale, shards.mean_stats(stats, weight)
+            stats = shards.mean_stats(stats, weight)
         finite = bool(torch.isfinite(loss)) if shards is None else shards.all_finite(loss)
         forward += time.perf_counter() - started
         if not finite:  # never step on a NaN / inf loss
             skipped += 1
             continue
         started = time.perf_counter()
-        stats.update(apply_update(model, optimizer, loss, optim.grad_clip, schedule, clip))
+        stats.update(forwards.update(optimizer, loss, optim.grad_clip, schedule, clip))
         if critic is not None:
             stats.update(critic.update(algo, mb, old_values[part], result.returns[part]))
         update += time.perf_counter() - started

@@ -36,7 +36,8 @@ def builder_with(tmp_path, **dataset) -> pathlib.Path:
     ("builder", {"dataset": {"promt_field": "q"}}, "services.builder.dataset.promt_field: unknown key"),
     ("trainer", {"lr": 3}, "services.trainer.lr: unknown key"),
     ("trainer", {"algo": "nope"}, "services.trainer.algo: unknown preset 'nope'"),
-    ("trainer", {"backend": "megatron", "megatron": {"pp": 2}}, "services.trainer.megatron.pp: pipeline stages"),
+    ("trainer", {"backend": "megatron", "megatron": {"num_layers_in_first_pipeline_stage": 1}},
+     "services.trainer.megatron.num_layers_in_first_pipeline_stage: needs pp > 1"),
     ("rollout", {"engine": {"max_batch": "many"}}, "services.rollout.engine.max_batch"),
     ("reward", {"concurrency": "lots"}, "services.reward.concurrency: expected an integer"),
 ])

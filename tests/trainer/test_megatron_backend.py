@@ -1,7 +1,8 @@
 """The megatron backend with 2 real megatron-core ranks (gloo on CPU) takes the steps the single-process torch
-backend takes on the same batches, at tp=2 (tensor parallel), at tp=1 x dp=2, and on a tiny Qwen3-MoE at ep=2
-(expert parallel: each rank holds half the experts, tokens travel by all-to-all): the same losses, gradient norms
-and final weights, and a checkpoint resumed inside the group retakes its step exactly."""
+backend takes on the same batches, at tp=2 (tensor parallel), at tp=1 x dp=2, on a tiny Qwen3-MoE at ep=2
+(expert parallel: each rank holds half the experts, the MoE layers gather both ranks' tokens), and at pp=2 with
+uneven stages (megatron-core's 1F1B schedule, 1 + 2 of 3 layers, the tied embedding on both stages): the same
+losses, gradient norms and final weights, and a checkpoint resumed inside the group retakes its step exactly."""
 
 from __future__ import annotations
 
@@ -27,6 +28,12 @@ OPTIM = OptimConfig(lr=3e-3, minibatches=2)
 def model_dir(tmp_path_factory) -> str:
     """Two key-value heads, so that two tensor-parallel ranks hold one each."""
     return make_model_dir(tmp_path_factory.mktemp("tiny-tp"), layers=2, kv_heads=2)
+
+
+@pytest.fixture(scope="module")
+def deep_dir(tmp_path_factory) -> str:
+    """Three layers: two pipeline stages split them unevenly."""
+    return make_model_dir(tmp_path_factory.mktemp("tiny-pp"), layers=3, kv_heads=2)
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +63,13 @@ def close(a: float, b: float, rel: float = 1e-4, abs_: float = 1e-6) -> bool:
     return abs(a - b) <= max(rel * max(abs(a), abs(b)), abs_)
 
 
-@pytest.mark.parametrize("sizes, moe", [({"tp": 2}, False), ({"tp": 1}, False), ({"ep": 2}, True)],
-                         ids=["tp=2", "tp=1,dp=2", "moe:ep=2,dp=2"])
-def test_two_megatron_ranks_take_the_single_process_steps(request, tmp_path, sizes, moe):
-    model_dir = request.getfixturevalue("moe_dir" if moe else "model_dir")
+@pytest.mark.parametrize("sizes, model", [
+    ({"tp": 2}, "model_dir"), ({"tp": 1}, "model_dir"), ({"ep": 2}, "moe_dir"),
+    ({"pp": 2, "num_layers_in_first_pipeline_stage": 1}, "deep_dir")],
+    ids=["tp=2", "tp=1,dp=2", "moe:ep=2,dp=2", "pp=2:first=1,last=2"])
+def test_two_megatron_ranks_take_the_single_process_steps(request, tmp_path, sizes, model):
+    model_dir = request.getfixturevalue(model)
+    moe = model == "moe_dir"
     torch.manual_seed(0)
     single = engine_for(model_dir, "grpo", optim=OPTIM)
     batches = [make_batch(single.model, seed=s, version=s) for s in range(STEPS)]
@@ -105,11 +115,32 @@ def test_what_the_megatron_backend_cannot_run_is_refused_at_start_naming_the_fie
         TrainerConfig(backend="megatron", **{"ranks": 2, **settings})
 
 
-@pytest.mark.parametrize("sizes, field", [({"pp": 2}, "^pp: pipeline stages"), ({"tp": 0}, "^tp: must be >= 1"),
-                                          ({"moe_aux_loss_coeff": -1.0}, "^moe_aux_loss_coeff: must be >= 0")])
-def test_the_parallel_sizes_not_built_yet_are_refused_naming_them(sizes, field):
+@pytest.mark.parametrize("sizes, field", [
+    ({"num_layers_in_last_pipeline_stage": 2}, "^num_layers_in_last_pipeline_stage: needs pp > 1"),
+    ({"pp": 2, "num_layers_in_first_pipeline_stage": 0}, "^num_layers_in_first_pipeline_stage: needs pp > 1 and a"),
+    ({"microbatches": -1}, "^microbatches: must be >= 0"), ({"tp": 0}, "^tp: must be >= 1"),
+    ({"moe_aux_loss_coeff": -1.0}, "^moe_aux_loss_coeff: must be >= 0")])
+def test_bad_parallel_settings_are_refused_naming_them(sizes, field):
     with pytest.raises(ValueError, match=field):
         MegatronConfig(**sizes)
+
+
+def test_uneven_stages_the_layouts_define_reach_megatron_core_and_a_bad_split_is_refused():
+    from services.trainer.megatron.model import transformer_config
+    from services.weight_exchange.client.layouts.megatron import MegatronParallel, pipeline_stages
+    from services.weight_exchange.client.layouts.model import model_spec
+
+    dense = model_spec("tiny-qwen3")   # 4 layers
+    stages = pipeline_stages(dense.num_layers, 2, first=1)
+    assert stages == (1, 3)
+    uneven = transformer_config(dense, MegatronParallel(pp=2, layers_per_stage=stages))
+    assert (uneven.num_layers_in_first_pipeline_stage, uneven.num_layers_in_last_pipeline_stage) == (1, 3)
+    even = transformer_config(dense, MegatronParallel(pp=2))
+    assert even.num_layers_in_first_pipeline_stage is None
+    with pytest.raises(ValueError, match="^pp: 4 layers do not split evenly over 3 stages"):
+        transformer_config(dense, MegatronParallel(pp=3))
+    with pytest.raises(ValueError, match="^first / last: 4 layers with first=3"):
+        pipeline_stages(dense.num_layers, 3, first=3)
 
 
 def test_moe_settings_reach_megatron_core_and_expert_parallelism_needs_experts():

@@ -1,5 +1,5 @@
 """Each megatron rank a sender (``shard_sync``): two ranks of the megatron backend — tensor parallel on the tiny
-Qwen3, expert parallel on the tiny Qwen3-MoE — after a training step serve their own live shards to a real
+Qwen3, expert parallel on the tiny Qwen3-MoE, two uneven pipeline stages (1 + 3 layers) on the tiny Qwen3 — after a training step serve their own live shards to a real
 weight-exchange service, and a receiver holding the Hugging Face layout (fused experts, for the MoE) gets exactly
 the weights the group trained — each byte once, pulled from the rank that holds it."""
 
@@ -21,7 +21,8 @@ pytest.importorskip("megatron.core")
 RANKS, DEADLINE, VERSION = 2, 300.0, 1
 
 
-CASES = {"tp=2": ({"tp": 2}, 0), "moe:ep=2,dp=2": ({"ep": 2}, 4)}
+CASES = {"tp=2": ({"tp": 2}, 0), "moe:ep=2,dp=2": ({"ep": 2}, 4),
+         "pp=2:first=1": ({"pp": 2, "num_layers_in_first_pipeline_stage": 1}, 0)}
 
 
 @pytest.fixture(scope="module", params=list(CASES))

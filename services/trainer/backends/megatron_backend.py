@@ -1,6 +1,7 @@
 """The ``megatron`` backend: the policy as megatron-core GPTModel ranks (tensor parallel over ``megatron.tp``
-ranks, data parallel over the rest; a MoE model's experts split over ``megatron.ep`` ranks), pp = 1: each
-microbatch's forward and backward run on the model directly, on CPU (gloo) or CUDA/NPU. With ep > 1 the MoE
+ranks, pipeline stages over ``megatron.pp``, data parallel over the rest; a MoE model's experts split over
+``megatron.ep`` ranks). pp = 1: each minibatch's forward and backward run on the model directly; pp > 1: through
+megatron-core's own 1F1B schedule (``megatron/pipeline.py``); both on CPU (gloo) or CUDA/NPU. With ep > 1 the MoE
 layers gather every expert-group rank's tokens (megatron-core's all-gather dispatcher: its all-to-all one needs
 CUDA streams), so those ranks forward equal shapes and their expert gradients are reduced as megatron-core's DDP
 does (``ParallelGrads``). Everything above the forward — the algorithms, minibatches, data-parallel row shares
@@ -36,7 +37,7 @@ class MegatronBackend(TorchBackend):
         from megatron.core import parallel_state as ps
 
         from services.weight_exchange.client.layouts.model import model_spec
-        from services.weight_exchange.client.layouts.topology import parse_side
+        from services.weight_exchange.client.layouts.topology import megatron_parallel, parse_side
 
         self.owns_group = group.join(config)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -46,17 +47,33 @@ class MegatronBackend(TorchBackend):
         self.tp_group, self.dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
         self.spec = model_spec(config.model_path)
         self.side = parse_side(m.side(self.world), "megatron")
+        # uneven pipeline stages by the weight exchange's rule, which the GPTModel is then built to
+        self.stages = megatron_parallel(self.side, self.rank, self.spec.num_layers).layers_per_stage
         self.hf: torch.nn.Module | None = None  # rank 0: the gathered weights, as a transformers model
         self.gather_every_step = not config.shard_sync
         super().__init__(config)
         from services.trainer.megatron.causal_lm import ParallelGrads
 
+        tied = m.pp > 1 and self.spec.tie_word_embeddings and ps.is_rank_in_embedding_group()
         self.grads = ParallelGrads(self.model.gpt, self.model.gpt.config, self.tp_group, self.dp_group,
+                                   model_group=ps.get_model_parallel_group(),
+                                   embedding_group=ps.get_embedding_group() if tied else None,
                                    expert_dp_group=ps.get_expert_data_parallel_group(),
-                                   expert_mp_group=ps.get_expert_tensor_and_model_parallel_group())
+                                   expert_model_group=ps.get_expert_tensor_model_pipeline_parallel_group())
+        if m.pp > 1:
+            from services.trainer.megatron.pipeline import PipelineForwards
+
+            self.forwards = PipelineForwards(self.model, microbatches=m.pipeline_microbatches,
+                                             loss_weight=self.algo.loss_weight)
         self.shards = RowShards(ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), self.device,
                                 group=self.dp_group)
         self.gather_weights()
+
+    def parallel(self):
+        """This rank's coordinates (parallel_state's) and the pipeline's stages."""
+        from services.trainer.megatron.model import current_parallel
+
+        return current_parallel(layers_per_stage=self.stages)
 
     def resolve_device(self) -> torch.device:
         return group.rank_device(self.config.device)
@@ -64,12 +81,12 @@ class MegatronBackend(TorchBackend):
     def load_policy(self) -> torch.nn.Module:
         from services.trainer.megatron.causal_lm import MegatronCausalLM, allow_cpu_forward
         from services.trainer.megatron.convert import canonical_state, hf_to_megatron
-        from services.trainer.megatron.model import build_gpt_model, current_parallel
+        from services.trainer.megatron.model import build_gpt_model
 
         if self.device.type == "cpu":
             allow_cpu_forward()
         hf = AutoModelForCausalLM.from_pretrained(self.config.model_path, dtype=torch.float32)
-        par = current_parallel()
+        par = self.parallel()
         gpt = build_gpt_model(self.spec, par, moe_aux_loss_coeff=self.config.megatron.moe_aux_loss_coeff,
                               **_architecture(hf.config))
         gpt.load_state_dict(hf_to_megatron(canonical_state(hf.state_dict(), self.spec), self.spec, par), strict=True)
@@ -108,11 +125,10 @@ class MegatronBackend(TorchBackend):
         the coordinates megatron-core's parallel_state gave this rank, and the layout those coordinates imply,
         checked against the names and shapes the model holds (a mismatch stops start-up, naming the tensors)."""
         from services.trainer.megatron.convert import VOCAB_TENSORS
-        from services.trainer.megatron.model import current_parallel
         from services.weight_exchange.client.layouts.megatron import megatron_shards
 
         params = {name: p.detach() for name, p in self.model.gpt.named_parameters()}
-        shards = megatron_shards(self.spec, current_parallel(), "float32")  # the parameters train in float32
+        shards = megatron_shards(self.spec, self.parallel(), "float32")  # the parameters train in float32
         declared = {s.local_name: s.local_shape for s in shards}
         # a vocab shard holding only padding rows has nothing to send: the layout leaves it out
         actual = {name: tuple(t.shape) for name, t in params.items() if name in declared or name not in VOCAB_TENSORS}
@@ -122,9 +138,7 @@ class MegatronBackend(TorchBackend):
         return {name: params[name] for name in declared}, shards
 
     def sender_layout(self) -> tuple[str, dict[str, int]]:
-        from services.trainer.megatron.model import current_parallel
-
-        return "megatron", current_parallel().as_dict()
+        return "megatron", self.parallel().as_dict()
 
     def trainable_parameters(self) -> int:
         """The whole model's (rank 0 holds it gathered); a rank's own shards elsewhere."""
@@ -150,7 +164,6 @@ class MegatronBackend(TorchBackend):
     def restore(self, path: str | pathlib.Path) -> dict[str, Any]:
         """Collective: rank 0 reads the checkpoint and sends each rank its shards and optimizer state."""
         from services.trainer.megatron.convert import canonical_state, hf_to_megatron
-        from services.trainer.megatron.model import current_parallel
 
         state: dict[str, Any] = {}
         shared: list[Any] = [None]
@@ -166,7 +179,7 @@ class MegatronBackend(TorchBackend):
         dist.broadcast_object_list(shared, src=0)
         got = shared[0]
         gpt = self.model.gpt
-        par = current_parallel()
+        par = self.parallel()
         with torch.no_grad():
             live = dict(gpt.state_dict())
             for name, tensor in hf_to_megatron(canonical_state(got["hf"], self.spec), self.spec, par).items():

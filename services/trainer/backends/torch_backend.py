@@ -37,6 +37,7 @@ def bf16_runs_natively(device: torch.device) -> bool:
 
 class TorchBackend(TrainerBackend):
     shards = None  # data-parallel row shards for train_step (FSDP2); None: this process trains every row
+    forwards = None  # how train_step runs the policy (megatron pp > 1: its pipeline schedule); None: directly
 
     def __init__(self, config: TrainerConfig) -> None:
         self.config = config
@@ -89,7 +90,7 @@ class TorchBackend(TrainerBackend):
                                  temperature=self.config.temperature, generator=self.generator,
                                  schedule=self.schedule, critic=self.critic, reference=self.reference,
                                  sft_min_reward=self.config.sft_min_reward, phases=phases, shards=self.shards,
-                                 clip=self.clip_grads)
+                                 clip=self.clip_grads, forwards=self.forwards)
         self.refresh_weights()
         optimizer = self.optimizer_seconds - optimizer_before  # the update splits into backward and optimizer step
         phases.update(optimizer=optimizer, backward=max(0.0, phases.pop("update", 0.0) - optimizer))

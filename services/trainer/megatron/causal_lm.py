@@ -58,22 +58,31 @@ class ParallelGrads:
     """What megatron-core's ``finalize_model_grads`` and gradient clipping do, for a model without its DDP wrapper:
     the gradients averaged over the data-parallel group (each DP rank trained its share of the rows); the
     parameters every TP rank holds a copy of but sees only its heads of (``q_layernorm`` / ``k_layernorm``, and
-    sequence-parallel norms) summed over the TP group, ``average_gradients_across_tp_domain`` ones averaged; then
-    one norm of the whole model — TP shards summed over the group, copies counted once — so every rank clips by
-    the same factor and the copies stay equal.
+    sequence-parallel norms) summed over the TP group, ``average_gradients_across_tp_domain`` ones averaged; with
+    pipeline stages, the tied word embedding's two copies (first stage's input, last stage's output layer) summed
+    over the embedding group, so both take the same update; then one norm of the whole model — TP shards and
+    pipeline stages summed over the model-parallel group, copies counted once — so every rank clips by the same
+    factor and the copies stay equal.
 
     Expert-parallel parameters (megatron-core marks them ``allreduce = False``) are held by the ranks of one expert
     data-parallel group only, and their gradients already hold every expert-group rank's rows (the all-gather
-    dispatcher's backward reduce-scatters them back): summed over that group and divided by the whole data-parallel size, as megatron-core's DDP scales
-    them; their squares count once per expert, summed over the expert tensor x model parallel group."""
+    dispatcher's backward reduce-scatters them back): summed over that group and divided by the whole
+    data-parallel size, as megatron-core's DDP scales them; their squares count once per expert, summed over the
+    expert tensor x model x pipeline parallel group."""
 
-    def __init__(self, module: torch.nn.Module, config, tp_group, dp_group, *, expert_dp_group=None,
-                 expert_mp_group=None) -> None:
+    def __init__(self, module: torch.nn.Module, config, tp_group, dp_group, *, model_group=None,
+                 embedding_group=None, expert_dp_group=None, expert_model_group=None) -> None:
+        """``model_group``: tp x pp (default: the tp group); ``embedding_group``: first and last stage, on those
+        ranks when the embedding is tied and pp > 1; ``expert_model_group``: expert tp x ep x pp."""
         self.tp_group, self.dp_group = tp_group, dp_group
-        self.expert_dp_group, self.expert_mp_group = expert_dp_group, expert_mp_group
+        self.model_group = model_group if model_group is not None else tp_group
+        self.embedding_group = embedding_group
+        self.expert_dp_group, self.expert_model_group = expert_dp_group, expert_model_group
         self.tp_sum, self.tp_mean = [], []
         self.experts = {id(p) for p in module.parameters() if not getattr(p, "allreduce", True)}
-        assert not self.experts or expert_mp_group is not None, "expert-parallel parameters need the expert groups"
+        self.tied = [p for p in module.parameters() if getattr(p, "shared_embedding", False)]
+        assert not self.experts or expert_model_group is not None, "expert-parallel parameters need the expert groups"
+        assert not self.tied or embedding_group is not None, "a tied embedding over stages needs the embedding group"
         for name, p in module.named_parameters():
             if getattr(p, "average_gradients_across_tp_domain", False):
                 self.tp_mean.append(p)
@@ -83,7 +92,11 @@ class ParallelGrads:
 
     def clip(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
 
+        for p in self.tied:
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=self.embedding_group)
         grads = [p for p in params if p.grad is not None]
         dense = [p for p in grads if id(p) not in self.experts]
         experts = [p for p in grads if id(p) in self.experts]
@@ -101,11 +114,12 @@ class ParallelGrads:
                     if p.grad is not None:
                         dist.all_reduce(p.grad, op=op, group=self.tp_group)
         device = grads[0].grad.device if grads else torch.device("cpu")
-        square = _squares([p.grad for p in dense if param_is_not_tensor_parallel_duplicate(p)], device)
-        dist.all_reduce(square, group=self.tp_group)
+        counted = [p.grad for p in dense if param_is_not_tensor_parallel_duplicate(p) and param_is_not_shared(p)]
+        square = _squares(counted, device)
+        dist.all_reduce(square, group=self.model_group)
         if self.experts:
             expert_square = _squares([p.grad for p in experts], device)
-            dist.all_reduce(expert_square, group=self.expert_mp_group)
+            dist.all_reduce(expert_square, group=self.expert_model_group)
             square = square + expert_square
         norm = square.sqrt()
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)

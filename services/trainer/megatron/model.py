@@ -15,8 +15,9 @@ from services.weight_exchange.client.layouts.megatron import MegatronParallel
 from services.weight_exchange.client.layouts.model import ModelSpec
 
 
-def current_parallel(vocab_divisor: int = 128) -> MegatronParallel:
-    """This rank's coordinates as megatron-core's parallel_state assigned them (the layout the weights follow)."""
+def current_parallel(vocab_divisor: int = 128, layers_per_stage: tuple[int, ...] | None = None) -> MegatronParallel:
+    """This rank's coordinates as megatron-core's parallel_state assigned them (the layout the weights follow);
+    ``layers_per_stage``: uneven pipeline stages (``layouts.megatron.pipeline_stages``)."""
     from megatron.core import parallel_state as ps
 
     return MegatronParallel(
@@ -24,7 +25,8 @@ def current_parallel(vocab_divisor: int = 128) -> MegatronParallel:
         pp=ps.get_pipeline_model_parallel_world_size(), pp_rank=ps.get_pipeline_model_parallel_rank(),
         ep=ps.get_expert_model_parallel_world_size(), ep_rank=ps.get_expert_model_parallel_rank(),
         etp=ps.get_expert_tensor_parallel_world_size(), etp_rank=ps.get_expert_tensor_parallel_rank(),
-        dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(), vocab_divisor=vocab_divisor)
+        dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(), vocab_divisor=vocab_divisor,
+        layers_per_stage=layers_per_stage)
 
 
 def transformer_config(spec: ModelSpec, par: MegatronParallel, *, params_dtype: torch.dtype = torch.float32,
@@ -57,8 +59,13 @@ def transformer_config(spec: ModelSpec, par: MegatronParallel, *, params_dtype: 
         raise FieldError("ep", f"{spec.num_experts} experts do not split evenly over ep {par.ep}")
     if not moe and par.ep > 1:
         raise FieldError("ep", f"expert parallelism needs a MoE model; {spec.num_experts} experts here")
-    if spec.num_layers % par.pp:
-        raise FieldError("pp", f"{spec.num_layers} layers do not split evenly over {par.pp} stages")
+    stages = par.layers_per_stage
+    if stages is None and spec.num_layers % par.pp:
+        raise FieldError("pp", f"{spec.num_layers} layers do not split evenly over {par.pp} stages (set "
+                         "num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage)")
+    if stages is not None and len(set(stages)) > 1:
+        # the layouts' stages, as Megatron's two settings: the middle stages then split the rest evenly alike
+        fields.update(num_layers_in_first_pipeline_stage=stages[0], num_layers_in_last_pipeline_stage=stages[-1])
     fields.update(overrides)
     return TransformerConfig(**fields)
 

@@ -25,9 +25,12 @@ LINEAGE = "meshrl_lineage.json"
 
 def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | pathlib.Path, *,
                     version: int, state_dict: dict[str, torch.Tensor] | None = None,
-                    state: dict[str, Any] | None = None, lineage: dict[str, Any] | None = None) -> pathlib.Path:
+                    state: dict[str, Any] | None = None, lineage: dict[str, Any] | None = None,
+                    directories: dict[str, pathlib.Path] | None = None) -> pathlib.Path:
     """``state_dict`` (canonical names) replaces the model's own, e.g. merged LoRA weights of a peft base model;
-    ``state`` (torch.save'd) makes the checkpoint resumable; ``lineage`` goes to ``meshrl_lineage.json``."""
+    ``state`` (torch.save'd) makes the checkpoint resumable; ``lineage`` goes to ``meshrl_lineage.json``;
+    ``directories`` (name -> a directory already written, e.g. megatron-core's distributed checkpoint) are moved in
+    under those names, covered by the manifest like every other file."""
     out = pathlib.Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -40,6 +43,8 @@ def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
             (tmp / LINEAGE).write_text(json.dumps({**lineage, "version": version}))
         if state is not None:
             torch.save(state, tmp / STATE)
+        for name, written in (directories or {}).items():
+            shutil.move(str(written), tmp / name)
         files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
         for name in files:
             _fsync(tmp / name)

@@ -42,9 +42,9 @@ def moe_dir(tmp_path_factory) -> str:
     return make_model_dir(tmp_path_factory.mktemp("tiny-moe"), layers=2, kv_heads=2, experts=4)
 
 
-def config(model_dir: str, sizes: dict[str, int]) -> TrainerConfig:
+def config(model_dir: str, sizes: dict[str, int], run_dir: str) -> TrainerConfig:
     return TrainerConfig(model_path=model_dir, algo="grpo", max_new_tokens=NEW, wx_address="", optim=OPTIM,
-                         backend="megatron", ranks=RANKS, megatron=MegatronConfig(**sizes))
+                         backend="megatron", ranks=RANKS, megatron=MegatronConfig(**sizes), run_dir=run_dir)
 
 
 def rank_main(rank: int, store: str, model_dir: str, sizes: dict[str, int], batches_file: str, out_file: str) -> None:
@@ -53,7 +53,7 @@ def rank_main(rank: int, store: str, model_dir: str, sizes: dict[str, int], batc
 
     torch.set_num_threads(1)
     join_cpu_group(rank, RANKS, store)
-    engine = build_engine(config(model_dir, sizes))
+    engine = build_engine(config(model_dir, sizes, f"{out_file}.run"))
     out = train_checkpoint_retake(engine, torch.load(batches_file, weights_only=False), rank, f"{out_file}.ckpt")
     torch.save({**out, "trainable": engine.trainable_parameters()}, f"{out_file}.{rank}")
     leave_cpu_group()
@@ -102,6 +102,58 @@ def test_two_megatron_ranks_take_the_single_process_steps(request, tmp_path, siz
     assert ranks[0]["again_metrics"]["loss"] == got[-1]["loss"]
     for name, tensor in ranks[0]["weights"].items():
         assert torch.equal(ranks[0]["again_weights"][name], tensor), name
+
+
+def reshard_rank(rank: int, store: str, model_dir: str, sizes: dict[str, int], batches_file: str, out_file: str,
+                 resume: bool) -> None:
+    """Write (``resume`` False): one step, a checkpoint, the next step. Resume: restore that checkpoint into this
+    layout and take the next step again."""
+    import torch.distributed as dist
+
+    from services.trainer.engine import build_engine
+
+    torch.set_num_threads(1)
+    join_cpu_group(rank, RANKS, store)
+    engine = build_engine(config(model_dir, sizes, f"{out_file}.run"))
+    first, second = torch.load(batches_file, weights_only=False)
+    if resume:
+        engine.restore(f"{out_file}.ckpt")
+    else:
+        engine.step(first, 0)
+        state = {"engine": engine.state()}
+        if rank == 0:
+            engine.save(f"{out_file}.ckpt", version=1, state=state)
+        dist.barrier()
+    metrics = engine.step(second, 1)
+    engine.gather_weights()
+    weights = {name: t.detach().clone() for name, t in engine.weights().items()}
+    torch.save({"metrics": metrics, "weights": weights}, f"{out_file}.{'resumed' if resume else 'written'}.{rank}")
+    leave_cpu_group()
+
+
+def test_a_checkpoint_written_at_tp2_resumes_on_two_uneven_pipeline_stages(deep_dir, tmp_path):
+    """megatron-core's distributed checkpoint: the tp=2 ranks each write their column shards; the pp=2 ranks
+    (1 + 2 layers) each load whole layers of them, and AdamW's moments with them — the step after the checkpoint
+    comes out the same on either layout."""
+    torch.manual_seed(0)
+    single = engine_for(deep_dir, "grpo", optim=OPTIM)
+    torch.save([make_batch(single.model, seed=s, version=s) for s in range(2)], tmp_path / "batches.pt")
+    out = str(tmp_path / "out")
+    for sizes, resume in (({"tp": 2}, False), ({"pp": 2, "num_layers_in_first_pipeline_stage": 1}, True)):
+        codes = run_spawned(reshard_rank, [(r, str(tmp_path / f"store{resume}"), deep_dir, sizes,
+                                            str(tmp_path / "batches.pt"), out, resume) for r in range(RANKS)],
+                            deadline_s=DEADLINE)
+        assert codes == [0] * RANKS, f"{sizes}: rank exit codes {codes}"
+    assert (tmp_path / "out.ckpt" / "dist").is_dir()
+    assert not list((tmp_path / "out.run" / "checkpoints").glob(".dist.tmp-*"))  # the staging moved in
+    written = torch.load(f"{out}.written.0", weights_only=False)
+    resumed = torch.load(f"{out}.resumed.0", weights_only=False)
+    for key in ("loss", "grad_norm", "entropy", "approx_kl"):
+        assert close(written["metrics"][key], resumed["metrics"][key]), key
+    # AdamW's moments came along too: from zero moments its second update would move each weight by ~lr (3e-3),
+    # far outside this tolerance
+    for name, tensor in written["weights"].items():
+        torch.testing.assert_close(resumed["weights"][name], tensor, rtol=1e-4, atol=5e-5, msg=name)
 
 
 @pytest.mark.parametrize("settings, field", [

@@ -11,13 +11,16 @@ does (``ParallelGrads``). Everything above the forward — the algorithms, minib
 Weights: each rank loads its shards of the HF checkpoint (``megatron/convert.py``, the layout the weight exchange
 uses). Rank 0 gathers them into a transformers model of the same checkpoint, whose tensors are what ``weights()``
 returns and what checkpoints write: after every step when rank 0 alone feeds the weight sync, only before a
-checkpoint with ``shard_sync`` (each rank sends its own shards). Optimizer state stays per rank: a checkpoint holds every
-rank's, and resumes at the same tp x dp layout.
+checkpoint with ``shard_sync`` (each rank sends its own shards). A resumable checkpoint also holds megatron-core's
+distributed checkpoint of every rank's model and optimizer shards (``megatron/dist_checkpoint.py``): each rank
+writes its own, and a trainer of another layout resumes from it.
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
+import uuid
 from typing import Any
 
 import torch
@@ -27,7 +30,7 @@ from transformers import AutoModelForCausalLM
 from services.common.device import host_copy
 from services.trainer.backends import group
 from services.trainer.backends.shards import RowShards
-from services.trainer.backends.torch_backend import TorchBackend, check_written_for, hf_tensors
+from services.trainer.backends.torch_backend import TorchBackend, check_written_for
 from services.trainer.checkpoint import read_state, save_checkpoint
 from services.trainer.config import TrainerConfig
 
@@ -151,19 +154,43 @@ class MegatronBackend(TorchBackend):
 
     def save(self, path: str | pathlib.Path, *, version: int, state: dict[str, Any] | None = None,
              lineage: dict[str, Any] | None = None) -> pathlib.Path:
+        """The gathered weights as Hugging Face files; resumable (``state``): with the ranks' distributed
+        checkpoint, which ``state()`` wrote into a staging directory, moved in."""
+        from services.trainer.megatron.dist_checkpoint import DIST
+
         assert self.hf is not None, "checkpoints are written by rank 0"
+        directories = {}
+        if state is not None:
+            optimizer = dict(state["engine"]["optimizer"])
+            directories[DIST] = pathlib.Path(optimizer.pop("staging"))
+            state = {**state, "engine": {**state["engine"], "optimizer": optimizer}}
         return save_checkpoint(self.hf, self.tokenizer, path, version=version,
-                               state_dict=host_copy(dict(self.hf.state_dict())), state=state, lineage=lineage)
+                               state_dict=host_copy(dict(self.hf.state_dict())), state=state, lineage=lineage,
+                               directories=directories)
 
     def optimizer_state(self) -> dict[str, Any]:
-        """Collective: every rank's optimizer state (its own shards), by rank, on rank 0."""
-        states: list | None = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(host_copy(self.optimizer.state_dict()), states, dst=0)
-        return {"layout": str(self.side), "ranks": states} if self.rank == 0 else {}
+        """Collective: every rank writes its model and optimizer shards (megatron-core's distributed checkpoint)
+        into one staging directory under run_dir/checkpoints, which ``save`` moves into the checkpoint; rank 0
+        returns where, with every rank's optimizer step counts."""
+        from services.trainer.megatron import dist_checkpoint
+
+        staging: list[Any] = [None]
+        if self.rank == 0:
+            root = pathlib.Path(self.config.run_dir) / "checkpoints"
+            staging = [str(root / f".{dist_checkpoint.DIST}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")]
+            pathlib.Path(staging[0]).mkdir(parents=True)
+        dist.broadcast_object_list(staging, src=0)
+        steps = dist_checkpoint.save(self.model.gpt, self.optimizer, staging[0])
+        every: list[Any] = [None] * self.world
+        dist.all_gather_object(every, steps)
+        merged = {key: value for rank_steps in every for key, value in rank_steps.items()}
+        return {"layout": str(self.side), "staging": staging[0], "steps": merged} if self.rank == 0 else {}
 
     def restore(self, path: str | pathlib.Path) -> dict[str, Any]:
-        """Collective: rank 0 reads the checkpoint and sends each rank its shards and optimizer state."""
-        from services.trainer.megatron.convert import canonical_state, hf_to_megatron
+        """Collective: every rank loads its own shards of the model and of the optimizer's state from the
+        checkpoint's distributed checkpoint, whatever tp / pp / ep / dp layout wrote it (rank 0 reads the rest of
+        the state and shares the schedule, RNG and step counts)."""
+        from services.trainer.megatron import dist_checkpoint
 
         state: dict[str, Any] = {}
         shared: list[Any] = [None]
@@ -171,20 +198,14 @@ class MegatronBackend(TorchBackend):
             state = read_state(path)
             check_written_for(state["engine"], self.config, path)
             engine = state["engine"]
-            if engine["optimizer"].get("layout") != str(self.side):
-                raise ValueError(f"checkpoint {path} holds optimizer state for {engine['optimizer'].get('layout')}, "
-                                 f"this trainer is {self.side}")
-            shared = [{"hf": hf_tensors(pathlib.Path(path)), "optimizer": engine["optimizer"]["ranks"],
-                       "schedule": engine["schedule"], "rng": engine["rng"]}]
+            if "steps" not in engine["optimizer"] or not (pathlib.Path(path) / dist_checkpoint.DIST).is_dir():
+                raise ValueError(f"checkpoint {path} holds no megatron-core distributed checkpoint "
+                                 f"({dist_checkpoint.DIST}/): written by an older meshrl, resume it there")
+            shared = [{"steps": engine["optimizer"]["steps"], "schedule": engine["schedule"], "rng": engine["rng"]}]
         dist.broadcast_object_list(shared, src=0)
         got = shared[0]
-        gpt = self.model.gpt
-        par = self.parallel()
-        with torch.no_grad():
-            live = dict(gpt.state_dict())
-            for name, tensor in hf_to_megatron(canonical_state(got["hf"], self.spec), self.spec, par).items():
-                live[name].copy_(tensor)
-        self.optimizer.load_state_dict(got["optimizer"][self.rank])
+        dist_checkpoint.load(self.model.gpt, self.optimizer, str(pathlib.Path(path) / dist_checkpoint.DIST),
+                             got["steps"])
         self.load_schedule_and_rng(got)
         self.gather_weights()
         return state

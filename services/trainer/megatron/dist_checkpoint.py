@@ -51,7 +51,7 @@ def step_key(sharded) -> str:
     return f"{sharded.key}@{tuple(sharded.global_offset[:sharded.prepend_axis_num])}"
 
 
-def _sharded(gpt: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict[int, Any]]:
+def _sharded(gpt: Any, optimizer: torch.optim.Optimizer) -> tuple[dict, dict[int, Any]]:
     from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map
 
     model = gpt.sharded_state_dict()
@@ -67,7 +67,7 @@ def _with_moments(optimizer: torch.optim.Optimizer) -> None:
                                   "exp_avg_sq": torch.zeros_like(p)}
 
 
-def save(gpt: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> dict[str, float]:
+def save(gpt: Any, optimizer: torch.optim.Optimizer, directory: str) -> dict[str, float]:
     """Collective: this rank's shards into ``directory`` (which exists on every rank's filesystem: a shared one
     across hosts); returns this rank's step counts by ``step_key``."""
     from megatron.core import dist_checkpointing
@@ -83,7 +83,7 @@ def save(gpt: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str)
     return steps
 
 
-def load(gpt: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str, steps: dict[str, float]) -> None:
+def load(gpt: Any, optimizer: torch.optim.Optimizer, directory: str, steps: dict[str, float]) -> None:
     """Collective: this rank's shards of the model and AdamW's state from ``directory``, whatever layout wrote it;
     ``steps``: every rank's ``save`` result merged."""
     from megatron.core import dist_checkpointing

@@ -31,15 +31,15 @@ from services.trainer.optim import Clip, optimizer_step
 
 
 class PipelineForwards(Forwards):
-    def __init__(self, model: torch.nn.Module, *, microbatches: int, loss_weight) -> None:
+    def __init__(self, model: Any, *, microbatches: int, loss_weight) -> None:
         """``model``: a ``MegatronCausalLM`` (its ``gpt`` is this rank's stage); ``loss_weight``: the algorithm's
         weight of a set of rows' loss mask (``Algorithm.loss_weight``)."""
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         super().__init__(model)
-        self.gpt = model.gpt
-        self.vocab_size = model.vocab_size
+        self.gpt: Any = model.gpt
+        self.vocab_size: int = model.vocab_size
         self.microbatches = microbatches
         self.loss_weight = loss_weight
         self.group = ps.get_pipeline_model_parallel_group()
@@ -106,7 +106,7 @@ class PipelineForwards(Forwards):
         return optimizer_step(optimizer, grad_clip, schedule, clip)
 
     # --- the schedule ---------------------------------------------------------------------------------------
-    def _microbatches(self, batch: PackedBatch) -> tuple[list[tuple[int, PackedBatch]], tuple[int, int]]:
+    def _microbatches(self, batch: PackedBatch) -> tuple[list[tuple[int, Any]], tuple[int, int]]:
         """The batch cut into ``microbatches`` pieces of one [rows, length] agreed over the world, padded."""
         n = self.microbatches
         rows = -(-batch.size // n)

@@ -99,9 +99,12 @@ FUZZ_CASES ?= 10000
 fuzz: setup
 	$(MESHRL) bench fuzz --cases $(FUZZ_CASES)
 
-# the trainer's memory planner against measured CPU peaks (torch and 2-rank fsdp2 steps): one JSON line per case
+# the trainer's memory planner against measured CPU peaks (torch steps; 2-rank megatron at tp=2 and pp=2): one JSON
+# line per case
 bench-memory: setup
 	$(MESHRL) bench memory_peaks
+	$(MESHRL) bench memory_peaks --ranks 2 --megatron tp=2
+	$(MESHRL) bench memory_peaks --ranks 2 --megatron pp=2
 
 # trainer forward+backward tokens/s on the SmolLM2 job's batches, padded vs packed: one JSON line
 bench-trainer: setup

@@ -45,6 +45,14 @@ class Case:
     lora_rank: int = 0
     ranks: int = 1          # > 1: the fsdp2 backend over that many gloo ranks, each its own process
     steps: int = 2
+    megatron: str = ""      # "tp=2" / "pp=2" / ...: the megatron backend over `ranks` gloo ranks instead
+
+    @property
+    def backend(self) -> str:
+        return "megatron" if self.megatron else "fsdp2" if self.ranks > 1 else "torch"
+
+    def sizes(self) -> dict[str, int]:
+        return {k: int(v) for k, v in (part.split("=") for part in self.megatron.split(",") if part)}
 
     @property
     def tokens(self) -> int:
@@ -105,30 +113,32 @@ def child(case: Case) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
-    from services.trainer.config import TrainerConfig
+    from services.trainer.config import MegatronConfig, TrainerConfig
     from services.trainer.engine import build_engine
     from services.trainer.lora import LoraConfig
     from services.trainer.optim import OptimConfig
+    from services.trainer.packing import PackingConfig
 
     torch.set_num_threads(1)
     tmp = tempfile.TemporaryDirectory()
     # before the group exists: with one, save_pretrained writes on rank 0 only
-    warm = build_model(f"{tmp.name}/warm", hidden=32, layers=1, heads=2, kv_heads=1, head_dim=16, intermediate=64,
+    warm = build_model(f"{tmp.name}/warm", hidden=32, layers=2, heads=2, kv_heads=2, head_dim=16, intermediate=64,
                        vocab=512)
     if case.ranks > 1:  # joined here, so the engines join it and leave it up (the warm-up's close keeps it)
         dist.init_process_group("gloo", init_method="env://")
 
     def engine_for(model_dir: str):
+        megatron = {"megatron": MegatronConfig(**case.sizes()), "packing": PackingConfig(enabled=False),
+                    "run_dir": tmp.name} if case.megatron else {}
         return build_engine(TrainerConfig(
             model_path=model_dir, algo="grpo", max_new_tokens=case.seq_len, wx_address="", dtype=case.dtype,
             optim=OptimConfig(lr=1e-5), lora=LoraConfig(enabled=case.lora_rank > 0, r=max(1, case.lora_rank)),
-            backend="fsdp2" if case.ranks > 1 else "torch", ranks=case.ranks))
+            backend=case.backend, ranks=case.ranks, **megatron))
 
     warm_engine = engine_for(warm)  # the same code paths once, so their pages are in the baseline
     warm_engine.step(_batch(2 * case.ranks, 16, 512), version=0)
     warm_engine.close()
     del warm_engine
-    tmp.cleanup()
     gc.collect()
     config = json.loads((pathlib.Path(case.model_dir) / "config.json").read_text())
     batch = _batch(case.rows, case.seq_len, int(config["vocab_size"]))
@@ -143,6 +153,7 @@ def child(case: Case) -> dict[str, float]:
         out[f"step{step}_after"] = _status("VmRSS") - baseline
     out["measured"] = max(out[f"step{s}_peak"] for s in range(case.steps))
     engine.close()
+    tmp.cleanup()
     if case.ranks > 1:
         dist.barrier()  # no rank tears the group down while another still uses it
         dist.destroy_process_group()
@@ -180,11 +191,18 @@ def measure(case: Case, timeout: float = 900.0) -> list[dict[str, float]]:
 
 
 def predict(case: Case) -> list[int]:
-    """The planner's peak for each rank; fsdp2 ranks each forward their share of the rows."""
+    """The planner's peak for each rank; data-parallel ranks each forward their share of the rows (megatron:
+    tp and pp ranks forward the same rows; pp > 1 in 2 x pp microbatches)."""
     from services.trainer.plan import PlanConfig, load_model, plan
 
-    config = PlanConfig(backend="fsdp2" if case.ranks > 1 else "torch", dp=case.ranks,
-                        micro_batch_tokens=case.tokens // case.ranks, seq_len=case.seq_len, dtype=case.dtype,
+    backend, dp, tokens = case.backend, case.ranks, case.tokens // case.ranks
+    if case.megatron:
+        sizes = case.sizes()
+        dp = case.ranks // (sizes.get("tp", 1) * sizes.get("pp", 1))
+        backend = f"megatron:{case.megatron}"
+        micro = 2 * sizes["pp"] if sizes.get("pp", 1) > 1 else 1   # rows padded up to equal microbatches
+        tokens = -(-case.rows // dp // micro) * case.seq_len
+    config = PlanConfig(backend=backend, dp=dp, micro_batch_tokens=tokens, seq_len=case.seq_len, dtype=case.dtype,
                         lora_rank=case.lora_rank, device="cpu")
     return [r.total for r in plan(load_model(case.model_dir), config).ranks]
 
@@ -193,7 +211,7 @@ def compare(case: Case) -> list[dict[str, float]]:
     """One row per rank: predicted and measured peak, error = predicted / measured - 1."""
     rows = []
     for rank, (measured, predicted) in enumerate(zip(measure(case), predict(case), strict=True)):
-        rows.append({"model": pathlib.Path(case.model_dir).name, "backend": "fsdp2" if case.ranks > 1 else "torch",
+        rows.append({"model": pathlib.Path(case.model_dir).name, "backend": case.backend + (f":{case.megatron}" if case.megatron else ""),
                      "rank": rank, "tokens": case.tokens, "rows": case.rows, "seq_len": case.seq_len,
                      "dtype": case.dtype, "lora_rank": case.lora_rank, "predicted_mib": predicted / 2**20,
                      "measured_mib": measured["measured"] / 2**20, "error": predicted / measured["measured"] - 1,
@@ -216,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--lora-rank", type=int, default=0)
     p.add_argument("--ranks", type=int, default=1, help="> 1: the fsdp2 backend over this many ranks")
+    p.add_argument("--megatron", default="", help="the megatron backend at these sizes over --ranks (e.g. tp=2)")
     p.add_argument("--parallel", type=int, default=1, help="cases measured at once")
     args = p.parse_args(argv)
     if args.child:
@@ -226,11 +245,11 @@ def main(argv: list[str] | None = None) -> int:
         tokens = [int(t) for t in args.tokens.split(",")]
         if any(t % args.seq_len for t in tokens):
             raise ValueError(f"tokens: each must be a multiple of --seq-len {args.seq_len}, got {tokens}")
-        rows = compare_all([Case(model_dir, t // args.seq_len, args.seq_len, args.dtype, args.lora_rank, args.ranks)
-                            for t in tokens], args.parallel)
-    print(f"{'model':<12} {'backend':<7} {'rank':>4} {'dtype':<9} {'lora':>4} {'tokens':>7} {'seq_len':>7} {'predicted MiB':>14} {'measured MiB':>13} {'error':>7}")
+        rows = compare_all([Case(model_dir, t // args.seq_len, args.seq_len, args.dtype, args.lora_rank, args.ranks,
+                                 megatron=args.megatron) for t in tokens], args.parallel)
+    print(f"{'model':<12} {'backend':<14} {'rank':>4} {'dtype':<9} {'lora':>4} {'tokens':>7} {'seq_len':>7} {'predicted MiB':>14} {'measured MiB':>13} {'error':>7}")
     for r in rows:
-        print(f"{r['model']:<12} {r['backend']:<7} {r['rank']:>4} {r['dtype']:<9} {r['lora_rank']:>4} {r['tokens']:>7} {r['seq_len']:>7} {r['predicted_mib']:>14.1f} "
+        print(f"{r['model']:<12} {r['backend']:<14} {r['rank']:>4} {r['dtype']:<9} {r['lora_rank']:>4} {r['tokens']:>7} {r['seq_len']:>7} {r['predicted_mib']:>14.1f} "
               f"{r['measured_mib']:>13.1f} {r['error']:>+7.1%}")
     for r in rows:
         print(json.dumps(r))

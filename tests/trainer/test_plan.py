@@ -57,9 +57,15 @@ def test_megatron_per_rank_counts_are_the_layouts_local_shapes_summed(config, ba
     for rank, layout in zip(result.ranks, layouts, strict=True):
         local = {s.local_name: s.local_shape for s in layout.shards}
         expected = sum(counts.numel(shape) for shape in local.values())
-        assert rank.parameters == 2 * expected      # bf16 parameters
-        assert rank.gradients == 4 * expected       # float32 main gradients
-        assert rank.optimizer == 12 * expected      # float32 master weights and two moments
+        assert rank.parameters == 4 * expected      # float32 parameters (bf16 compute by autocast)
+        assert rank.gradients == 4 * expected       # float32 gradients
+        assert rank.optimizer == 8 * expected       # AdamW's two moments
+        assert rank.detail["activations.autocast_weights"] == 2 * expected
+    # rank 0's gathered copy of the whole model is host memory on an accelerator
+    assert result.ranks[0].weight_sync == 0 and result.ranks[0].detail["host_staging"] >= 4 * m.spec.num_params()
+    on_cpu = plan(m, PlanConfig(backend=backend, dp=dp, micro_batch_tokens=64, device="cpu"))
+    assert on_cpu.ranks[0].weight_sync == 4 * counts.full_parameters(m.spec).numel
+    assert all(r.weight_sync == 0 for r in on_cpu.ranks[1:])
 
 
 def test_megatron_tp_divides_the_layers_and_pp_the_stages():
@@ -92,7 +98,7 @@ def test_activations_grow_with_tokens_and_the_head_with_the_vocabulary():
 
 def test_the_verdict_compares_the_peak_rank_with_the_device_memory():
     m = model()
-    result = plan(m, PlanConfig(backend="megatron:tp=4", micro_batch_tokens=4096, dtype="bfloat16",
+    result = plan(m, PlanConfig(backend="megatron:tp=4", micro_batch_tokens=2048, dtype="bfloat16",
                                 device_memory=parse_bytes("80GiB")))
     assert result.fits and result.margin == 80 * 2**30 - result.peak.total
     assert not plan(m, PlanConfig(micro_batch_tokens=4096, device_memory=parse_bytes("80GiB"))).fits
@@ -144,7 +150,7 @@ def test_device_memory_sizes(text, value):
 
 def test_the_command_line_prints_the_verdict_and_json(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_8B))
-    args = ["--model", str(tmp_path), "--backend", "megatron:tp=4", "--dp", "2", "--micro-batch-tokens", "4096",
+    args = ["--model", str(tmp_path), "--backend", "megatron:tp=4", "--dp", "2", "--micro-batch-tokens", "2048",
             "--dtype", "bfloat16", "--device-memory", "80GiB"]
     assert main(args) == 0
     assert "FITS" in capsys.readouterr().out
@@ -161,12 +167,16 @@ def test_the_command_line_prints_the_verdict_and_json(tmp_path, capsys):
 @pytest.mark.skipif(not can_measure(), reason="needs Linux's /proc/self/clear_refs to reset the peak resident set")
 def test_predicted_peaks_are_within_25_percent_of_measured_cpu_steps(tmp_path):
     """A 1.3M-parameter Qwen3 whose 4096-token vocabulary makes the head matter: the torch backend at two
-    micro-batch sizes, and fsdp2 over 2 gloo ranks (each forwards half the rows; rank 0 also holds full
-    weights for the sender). Each measuring process runs alone in its own process; cases overlap."""
+    micro-batch sizes, fsdp2 over 2 gloo ranks (each forwards half the rows; rank 0 also holds full weights for
+    the sender), and the megatron backend's ranks at tp=2 and pp=2 (megatron-core's schedule; rank 0 gathers
+    the whole model after each step). Each measuring process runs alone in its own process; cases overlap."""
     model_dir = build_model(tmp_path / "qwen3", hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32,
                             intermediate=384, vocab=4096)
-    cases = [Case(model_dir, 1, 256), Case(model_dir, 4, 256), Case(model_dir, 4, 256, ranks=2)]
+    cases = [Case(model_dir, 1, 256), Case(model_dir, 4, 256), Case(model_dir, 4, 256, ranks=2),
+             Case(model_dir, 4, 256, ranks=2, megatron="tp=2"), Case(model_dir, 8, 256, ranks=2, megatron="pp=2")]
     results = compare_all(cases, parallel=3)
-    assert [(r["backend"], r["rank"]) for r in results] == [("torch", 0), ("torch", 0), ("fsdp2", 0), ("fsdp2", 1)]
+    assert [(r["backend"], r["rank"]) for r in results] == [
+        ("torch", 0), ("torch", 0), ("fsdp2", 0), ("fsdp2", 1), ("megatron:tp=2", 0), ("megatron:tp=2", 1),
+        ("megatron:pp=2", 0), ("megatron:pp=2", 1)]
     for result in results:
         assert abs(result["error"]) <= 0.25, result

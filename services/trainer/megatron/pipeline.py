@@ -155,7 +155,7 @@ class PipelineForwards(Forwards):
 
 def _real_rows(start: int, rows: int, size: int) -> torch.Tensor:
     """The minibatch rows a microbatch of ``rows`` rows starting at row ``start`` holds (none: all padding)."""
-    return torch.arange(start, min(start + rows, size))
+    return torch.arange(start, max(start, min(start + rows, size)))
 
 
 def _combine(parts: list) -> tuple[float, dict[str, float]]:

@@ -7,8 +7,10 @@ alive, token_logp's log-softmax saved for backward, and the no-grad entropy's th
 temporaries (log-softmax, exp, product) at the same time.
 
 Megatron (local layer spec, no sequence parallelism, unfused attention): hidden-sized tensors replicated over
-TP, attention / MLP intermediates and the attention scores divided by TP, vocab-parallel logits on the last
-stage, and 1F1B keeping ``pp - stage`` micro-batches in flight on each stage.
+TP, attention / MLP intermediates and the attention scores divided by TP, and 1F1B keeping ``pp - stage``
+micro-batches in flight on each stage. The head as meshrl's megatron backend runs it on the last stage: the
+vocab-parallel logits gathered to the whole (padded) vocabulary on every TP rank, since the trainer's objectives
+read them whole, then the log-softmax saved for backward and the no-grad entropy's exp and product (float32).
 """
 
 from __future__ import annotations
@@ -86,6 +88,6 @@ def megatron_activation_bytes(m: PlannedModel, w: Workload, *, tp: int, etp: int
         per_layer += out
     t = w.tokens
     other = t * ((b * h + 8) if first else 0) + (t * 2 * b * h if last else 0)
-    # vocab-parallel log-probs: the logits shard, its float32 copy, shifted, exp (saved)
-    head = t * (padded_vocab // tp) * (b + 12) if last else 0
+    # the gathered logits [T, V_padded], then log-softmax (saved), exp and product over the real vocabulary
+    head = t * (4 * padded_vocab + 12 * s.vocab_size) if last else 0
     return {"layers": per_layer * t * in_flight, "other": other, "head": head}

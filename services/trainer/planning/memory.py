@@ -185,28 +185,40 @@ def _fsdp2_rank(model: PlannedModel, config: PlanConfig, rank: int) -> RankPlan:
 
 
 def _megatron_rank(model: PlannedModel, config: PlanConfig, side: Side, rank: int) -> RankPlan:
+    """meshrl's megatron backend: float32 parameters (bf16 by autocast), AdamW over this rank's shards, and on
+    global rank 0 the gathered float32 transformers copy that checkpoints (and, without shard_sync, the weight
+    sync) read: host memory, so in the total only on a CPU device."""
     spec, w = model.spec, config.workload()
     par: MegatronParallel = megatron_parallel(side, rank, spec.num_layers)
     local = counts.megatron_parameters(spec, side, rank)
-    item = ITEMSIZE[config.dtype]
-    master = 4 if config.dtype != "float32" else 0   # float32 master weights beside bf16 parameters
     acts = megatron_activation_bytes(
         model, w, tp=par.tp, etp=par.etp or par.tp, layers=local.layers, first=par.pp_rank == 0,
         last=par.pp_rank == par.pp - 1, in_flight=par.pp - par.pp_rank,
         padded_vocab=pad_to(spec.vocab_size, par.vocab_divisor * par.tp))
+    if config.dtype == "bfloat16":
+        acts["autocast_weights"] = 2 * local.numel
     what = " ".join(f"{k}={v}" for k, v in par.as_dict().items() if k.endswith("_rank"))
-    return RankPlan(rank, what, item * local.numel, 4 * local.numel, (8 + master) * local.numel,
-                    sum(acts.values()), 0,
-                    {**{f"activations.{k}": v for k, v in acts.items()},
-                     "host_staging": _host_staging(config, item * local.largest)})
+    gathered = 4 * counts.full_parameters(spec).numel if rank == 0 else 0
+    on_device = config.device == "cpu"
+    # rank 0 gathers every rank's shards (after each step without shard_sync, before each checkpoint with it),
+    # outside the step's forward: every rank's state pickled and unpickled, its own pickle, the canonical tensors
+    # and their transformers copies
+    shards = 4 * sum(counts.megatron_parameters(spec, side, r).numel for r in range(side.world))
+    gather = 2 * shards + 4 * local.numel + 2 * gathered if rank == 0 and on_device else 0
+    return RankPlan(rank, what, 4 * local.numel, 4 * local.numel, 8 * local.numel, max(sum(acts.values()), gather),
+                    gathered if on_device else 0,
+                    {**{f"activations.{k}": v for k, v in acts.items()}, "gather_to_rank0": gather,
+                     "host_staging": _host_staging(config, 4 * local.largest) + (0 if on_device else gathered)})
 
 
 def _notes(config: PlanConfig) -> list[str]:
     notes = ["steady state: the previous update's gradients are held during the next forward"]
     if config.framework == "megatron":
-        notes += ["megatron: float32 main gradients, optimizer not sharded over dp (no distributed optimizer), "
-                  "no activation recomputation, 1F1B with pp - stage micro-batches in flight",
-                  "megatron: not measured (its forward needs CUDA); the torch backend's estimate is calibrated"]
+        notes += ["megatron: float32 parameters and gradients, optimizer not sharded over dp (no distributed "
+                  "optimizer), no activation recomputation, 1F1B with pp - stage micro-batches in flight",
+                  "megatron: the full vocabulary's logits on every TP rank of the last stage; rank 0 holds a "
+                  "gathered float32 copy of the whole model in host memory (weight_sync on a CPU device, "
+                  "host_staging elsewhere)"]
     if config.framework == "fsdp2":
         notes.append("fsdp2: rank 0 keeps full float32 copies of the weights for the weight sync")
     notes.append("host_staging is host memory, outside the total")

@@ -13,6 +13,10 @@ for its own check.
   trainer_backends   the trainer engine padded, packed and as one fsdp2 rank (nccl on CUDA): the same losses
   weight_exchange    sender on device tensors -> receiver into device tensors over tcp on loopback: bytes equal
   megatron           megatron-core GPTModel (TP=1, PP=1) forward, torch.distributed world size 1
+  megatron_backend   the trainer service's megatron backend on one rank of the device (tp=1; on CUDA a
+                     SmolLM2-135M-shaped Llama, random weights; on CPU a tiny Qwen3): three grpo steps whose losses
+                     equal the torch backend's, then its weights pulled into the embedded engine on the device
+                     (planner + tcp), every byte equal, and a generation at the new version
   megatron_train     (CUDA only) the tiny Qwen3 converted HF -> Megatron (services.trainer.megatron), TP=1 PP=1
                      GPTModel: logits and vocab-parallel log-probs match the HF model's, then a few AdamW steps
                      of the decoupled PPO loss on vocab_parallel_logp: loss decreases
@@ -341,6 +345,87 @@ def check_trainer_backends(device) -> dict[str, Any]:
                                  "losses": losses}}
 
 
+def _smollm2_shaped(model_dir: str, device) -> None:
+    """SmolLM2-135M's shape (Llama, 30 layers, GQA 9/3, tied, vocab 49152) with random weights on an accelerator;
+    a tiny Qwen3 on the CPU (the suite runs this check there)."""
+    import torch
+    import transformers
+
+    from services.trainer.models import TinyQwen3Config, build_tokenizer, padded_vocab_size
+
+    torch.manual_seed(0)
+    tok = build_tokenizer()
+    if device.type == "cpu":
+        model = TinyQwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                head_dim=16, intermediate_size=128).build(padded_vocab_size(tok))
+    else:
+        config = transformers.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                          num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                          max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=100000.0,
+                                          tie_word_embeddings=True, torch_dtype="float32")
+        model = transformers.AutoModelForCausalLM.from_config(config).float()
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+
+
+def check_megatron_backend(device) -> dict[str, Any]:
+    import importlib.util
+    import tempfile
+
+    import torch
+
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        return {"ok": False, "skipped": True, "detail": "megatron-core is not installed"}
+    from services.rollout.engines.sequence import Sampling
+    from services.rollout.engines.torch_engine import EmbeddedEngine
+    from services.trainer.config import TrainerConfig
+    from services.trainer.engine import build_engine
+    from services.trainer.optim import OptimConfig
+    from services.trainer.packing import PackingConfig
+
+    steps, losses = 3, {}
+    with tempfile.TemporaryDirectory() as model_dir:
+        _smollm2_shaped(model_dir, device)
+        batch = _group_batch()
+        for backend in ("torch", "megatron"):
+            torch.manual_seed(0)
+            trainer = build_engine(TrainerConfig(
+                model_path=model_dir, algo="grpo", max_new_tokens=8, wx_address="", device=str(device),
+                optim=OptimConfig(lr=1e-4), backend=backend, packing=PackingConfig(enabled=False),
+                run_dir=model_dir))
+            started = time.perf_counter()
+            losses[backend] = [trainer.step(batch, version)["loss"] for version in range(steps)]
+            seconds = time.perf_counter() - started
+            if backend == "megatron":
+                trained = {n: t.detach() for n, t in trainer.weights().items()}
+                policy = _hf_model(model_dir).to(device)
+                engine = EmbeddedEngine(policy, eos_token_id=-1, pad_token_id=0, max_batch=8, max_context=128,
+                                        seed=0)
+                engine.start()
+                try:
+                    engine.pause()
+                    moved = _sync(trained, engine.named_parameters(), version=steps)
+                    engine.resume(version=steps)
+                    seqs = _generate(engine, [[5, 6, 7, 8]] * 4, Sampling(temperature=1.0, max_new_tokens=8))
+                finally:
+                    engine.stop()
+                stale = _differ(dict(engine.model.state_dict()), trained)
+            trainer.close()
+    worst = max(abs(a - b) for a, b in zip(losses["megatron"], losses["torch"], strict=True))
+    versions = {v for s in seqs for v in s.versions}
+    ok = worst <= 1e-4 + 1e-3 * max(abs(v) for v in losses["torch"]) and not stale and versions == {steps}
+    return {"ok": ok, "detail": {"loss": [round(v, 6) for v in losses["megatron"]], "torch_loss": losses["torch"],
+                                 "max_loss_difference": worst, "megatron_step_seconds": round(seconds / steps, 3),
+                                 "params_not_synced": stale[:3], "generated_versions": sorted(versions), **moved}}
+
+
+def _hf_model(model_dir: str):
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
 def check_megatron_train(device) -> dict[str, Any]:
     import importlib.util
 
@@ -511,7 +596,8 @@ def _logprob_error(model, seqs, weights_by_version: dict) -> float:
 CHECKS = {"engine": check_engine, "engine_throughput": check_engine_throughput, "trainer_step": check_trainer_step,
           "trainer_backends": check_trainer_backends,
           "weight_exchange": check_weight_exchange, "megatron": check_megatron,
-          "megatron_train": check_megatron_train, "sglang": check_sglang}
+          "megatron_backend": check_megatron_backend, "megatron_train": check_megatron_train,
+          "sglang": check_sglang}
 
 
 # running -----------------------------------------------------------------------------------------------------------

@@ -12,4 +12,10 @@ case "$service" in
   rollout) export MESHRL_ROLLOUT__GRPC_ADDRESS="${MESHRL_ROLLOUT__GRPC_ADDRESS:-$ip:50051}" ;;
   trainer) export MESHRL_TRAINER__WEIGHT_HOST="${MESHRL_TRAINER__WEIGHT_HOST:-$ip}" ;;
 esac
+# a trainer of several ranks is one rank group in this container: torchrun starts them (RANK, LOCAL_RANK,
+# WORLD_SIZE, MASTER_ADDR/PORT), rank 0 serves; one rank failing stops the group, and the container with it
+ranks=${MESHRL_TRAINER__RANKS:-1}
+if [ "$service" = trainer ] && [ "$ranks" -gt 1 ]; then
+  exec torchrun --standalone --nnodes=1 --nproc-per-node="$ranks" --max-restarts=0 -m "services.$service" "$@"
+fi
 exec python -m "services.$service" "$@"

@@ -96,6 +96,25 @@ def test_singletons_recreate_and_trainer_ranks_are_a_statefulset_behind_a_headle
     find(objects, "PersistentVolumeClaim", volumes["checkpoints"]["persistentVolumeClaim"]["claimName"])
 
 
+def test_a_trainer_rank_group_runs_in_one_pod_with_its_settings_and_shared_memory(rendered):
+    """components/trainer-ranks: the settings make a valid megatron rank group (the entrypoint starts that many
+    ranks with torchrun in the pod); gloo / NCCL get a /dev/shm larger than the container default."""
+    overlay, objects = rendered
+    (run,) = [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("meshrl-run")]
+    env = run["data"]
+    trainer = find(objects, "StatefulSet", "trainer")
+    if overlay != "dev-megatron":
+        assert env.get("MESHRL_TRAINER__RANKS", "1") == "1"
+        return
+    config = load_config(TrainerConfig, "trainer", env={k: v for k, v in env.items() if k.startswith("MESHRL_TRAINER__")})
+    assert (config.backend, config.ranks, config.megatron.tp, config.shard_sync) == ("megatron", 2, 2, True)
+    assert trainer["spec"]["replicas"] == 1   # one pod per rank group
+    pod = trainer["spec"]["template"]["spec"]
+    shm = [v for v in pod["volumes"] if v["name"] == "shm"]
+    assert shm and shm[0]["emptyDir"]["medium"] == "Memory"
+    assert {"name": "shm", "mountPath": "/dev/shm"} in pod["containers"][0]["volumeMounts"]
+
+
 def test_each_pod_mounts_only_its_own_credentials(rendered):
     """No secret travels in the environment; each service's pod gets its own token and NATS password (and the peers'
     digests), the NATS pod only the users' configuration, from the Secret meshrl-credentials."""
@@ -118,7 +137,7 @@ def test_each_pod_mounts_only_its_own_credentials(rendered):
         mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
         assert mounts[volume["name"]]["mountPath"] == "/secrets" and mounts[volume["name"]]["readOnly"] is True
     secrets = [o for o in objects if o["kind"] == "Secret"]
-    if overlay == "dev":  # generated from the files made beforehand; elsewhere the Secret is created beforehand
+    if overlay.startswith("dev"):  # generated from the files made beforehand; elsewhere created beforehand
         (secret,) = secrets
         assert secret_names == {secret["metadata"]["name"]}
         assert {"grpc-operator.token", "grpc-peers.json", "nats-auth.conf", "gateway_admin_key"} <= set(secret["data"])

@@ -193,14 +193,15 @@ def measure(case: Case, timeout: float = 900.0) -> list[dict[str, float]]:
 def predict(case: Case) -> list[int]:
     """The planner's peak for each rank; data-parallel ranks each forward their share of the rows (megatron:
     tp and pp ranks forward the same rows; pp > 1 in 2 x pp microbatches)."""
+    from services.trainer.config import MegatronConfig
     from services.trainer.plan import PlanConfig, load_model, plan
 
     backend, dp, tokens = case.backend, case.ranks, case.tokens // case.ranks
     if case.megatron:
-        sizes = case.sizes()
-        dp = case.ranks // (sizes.get("tp", 1) * sizes.get("pp", 1))
+        megatron = MegatronConfig(**case.sizes())
+        dp = megatron.dp(case.ranks)
         backend = f"megatron:{case.megatron}"
-        micro = 2 * sizes["pp"] if sizes.get("pp", 1) > 1 else 1   # rows padded up to equal microbatches
+        micro = megatron.pipeline_microbatches if megatron.pp > 1 else 1   # rows padded up to equal microbatches
         tokens = -(-case.rows // dp // micro) * case.seq_len
     config = PlanConfig(backend=backend, dp=dp, micro_batch_tokens=tokens, seq_len=case.seq_len, dtype=case.dtype,
                         lora_rank=case.lora_rank, device="cpu")

@@ -96,9 +96,10 @@ def load(gpt: Any, optimizer: torch.optim.Optimizer, directory: str, steps: dict
     loaded = dist_checkpointing.load({"model": model, "optimizer": optim}, directory)
     gpt.load_state_dict(loaded["model"], strict=True)
     state = loaded["optimizer"]
-    missing = [step_key(by_id[i]) for i in state["state"] if step_key(by_id[i]) not in steps]
+    keys = {i: step_key(by_id[i]) for i in state["state"]}
+    missing = [key for key in keys.values() if key not in steps]
     if missing:
         raise ValueError(f"checkpoint {directory}: no optimizer step count for {missing[:3]}")
     for i, moments in state["state"].items():
-        moments["step"] = torch.tensor(steps[step_key(by_id[i])], dtype=torch.float32)
+        moments["step"] = torch.tensor(steps[keys[i]], dtype=torch.float32)
     optimizer.load_state_dict(state)

@@ -203,8 +203,10 @@ def _megatron_rank(model: PlannedModel, config: PlanConfig, side: Side, rank: in
     # rank 0 gathers every rank's shards (after each step without shard_sync, before each checkpoint with it),
     # outside the step's forward: every rank's state pickled and unpickled, its own pickle, the canonical tensors
     # and their transformers copies
-    shards = 4 * sum(counts.megatron_parameters(spec, side, r).numel for r in range(side.world))
-    gather = 2 * shards + 4 * local.numel + 2 * gathered if rank == 0 and on_device else 0
+    gather = 0
+    if rank == 0 and on_device:
+        shards = 4 * sum(counts.megatron_parameters(spec, side, r).numel for r in range(side.world))
+        gather = 2 * shards + 4 * local.numel + 2 * gathered
     return RankPlan(rank, what, 4 * local.numel, 4 * local.numel, 8 * local.numel, max(sum(acts.values()), gather),
                     gathered if on_device else 0,
                     {**{f"activations.{k}": v for k, v in acts.items()}, "gather_to_rank0": gather,

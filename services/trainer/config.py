@@ -25,7 +25,10 @@ class MegatronConfig:
     """``backend: megatron``: megatron-core's parallel sizes; data parallel is what ``ranks`` leaves over."""
     tp: int = 1   # tensor-parallel ranks
     pp: int = 1   # pipeline stages: megatron-core's 1F1B schedule (without interleaving) over them
-    ep: int = 1   # expert-parallel ranks of a MoE model: each holds num_experts / ep experts (expert TP = tp)
+    ep: int = 1   # expert-parallel ranks of a MoE model: each holds num_experts / ep experts
+    # expert tensor-parallel ranks: each expert's matrices split like the dense MLP's; 0: tp (megatron-core's
+    # default). etp 1 with tp 2 and ep 2 on two ranks: attention split in two, each rank two whole experts
+    etp: int = 0
     # uneven stages, as Megatron names them: the first / last stage's layers, the rest split evenly over the
     # other stages (the weight exchange's layouts follow the same rule); None: every stage alike
     num_layers_in_first_pipeline_stage: int | None = None
@@ -39,6 +42,8 @@ class MegatronConfig:
         for name in ("tp", "pp", "ep"):
             if getattr(self, name) < 1:
                 raise FieldError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.etp < 0:
+            raise FieldError("etp", f"must be >= 1 (or 0: tp), got {self.etp}")
         for name in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
             value = getattr(self, name)
             if value is not None and (self.pp == 1 or value < 1):
@@ -52,6 +57,10 @@ class MegatronConfig:
         return ranks // (self.tp * self.pp)
 
     @property
+    def expert_tp(self) -> int:
+        return self.etp or self.tp
+
+    @property
     def pipeline_microbatches(self) -> int:
         return self.microbatches or 2 * self.pp
 
@@ -59,7 +68,7 @@ class MegatronConfig:
         """The weight exchange's name of this layout (``megatron:tp=2,pp=1,ep=1,dp=2``; uneven stages add
         ``first=`` / ``last=``)."""
         out = f"megatron:tp={self.tp},pp={self.pp},ep={self.ep},dp={self.dp(ranks)}"
-        for key, value in (("first", self.num_layers_in_first_pipeline_stage),
+        for key, value in (("etp", self.etp or None), ("first", self.num_layers_in_first_pipeline_stage),
                            ("last", self.num_layers_in_last_pipeline_stage)):
             out += f",{key}={value}" if value is not None else ""
         return out
@@ -143,9 +152,9 @@ class TrainerConfig(ServiceConfig):
         m, algo = self.megatron, self.build_algorithm()
         if self.ranks % (m.tp * m.pp):
             raise FieldError("ranks", f"{self.ranks} ranks do not split into tp {m.tp} x pp {m.pp} x data parallel")
-        if self.ranks % (m.ep * m.tp * m.pp):
-            raise FieldError("megatron.ep", f"{self.ranks} ranks do not split into ep {m.ep} x expert tp {m.tp} x "
-                             f"pp {m.pp} (Megatron's expert groups)")
+        if self.ranks % (m.ep * m.expert_tp * m.pp):
+            raise FieldError("megatron.ep", f"{self.ranks} ranks do not split into ep {m.ep} x expert tp "
+                             f"{m.expert_tp} x pp {m.pp} (Megatron's expert groups; megatron.etp sets expert tp)")
         if self.lora.enabled:
             raise FieldError("lora.enabled", "the megatron backend trains full weights only (use backend: torch)")
         if algo.is_offline or algo.needs_critic:

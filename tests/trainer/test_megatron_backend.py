@@ -1,6 +1,7 @@
 """The megatron backend with 2 real megatron-core ranks (gloo on CPU) takes the steps the single-process torch
 backend takes on the same batches, at tp=2 (tensor parallel), at tp=1 x dp=2, on a tiny Qwen3-MoE at ep=2
-(expert parallel: each rank holds half the experts, the MoE layers gather both ranks' tokens), and at pp=2 with
+(expert parallel: each rank holds half the experts, the MoE layers gather both ranks' tokens) and at tp=2 x ep=2
+with whole experts (etp=1: attention split over both ranks, each rank two whole experts), and at pp=2 with
 uneven stages (megatron-core's 1F1B schedule, 1 + 2 of 3 layers, the tied embedding on both stages): the same
 losses, gradient norms and final weights, and a checkpoint resumed inside the group retakes its step exactly."""
 
@@ -65,8 +66,8 @@ def close(a: float, b: float, rel: float = 1e-4, abs_: float = 1e-6) -> bool:
 
 @pytest.mark.parametrize("sizes, model", [
     ({"tp": 2}, "model_dir"), ({"tp": 1}, "model_dir"), ({"ep": 2}, "moe_dir"),
-    ({"pp": 2, "num_layers_in_first_pipeline_stage": 1}, "deep_dir")],
-    ids=["tp=2", "tp=1,dp=2", "moe:ep=2,dp=2", "pp=2:first=1,last=2"])
+    ({"tp": 2, "ep": 2, "etp": 1}, "moe_dir"), ({"pp": 2, "num_layers_in_first_pipeline_stage": 1}, "deep_dir")],
+    ids=["tp=2", "tp=1,dp=2", "moe:ep=2,dp=2", "moe:tp=2,ep=2,etp=1", "pp=2:first=1,last=2"])
 def test_two_megatron_ranks_take_the_single_process_steps(request, tmp_path, sizes, model):
     model_dir = request.getfixturevalue(model)
     moe = model == "moe_dir"
@@ -160,7 +161,8 @@ def test_a_checkpoint_written_at_tp2_resumes_on_two_uneven_pipeline_stages(deep_
     ({"ranks": 3, "megatron": MegatronConfig(tp=2)}, "^ranks: 3 ranks do not split"),
     ({"algo": "ppo"}, "^backend: megatron .* 'ppo'"),
     ({"packing": PackingConfig(enabled=True)}, "^packing.enabled: "),
-    ({"ranks": 2, "megatron": MegatronConfig(tp=2, ep=2)}, "^megatron.ep: 2 ranks do not split into ep 2"),
+    ({"ranks": 2, "megatron": MegatronConfig(tp=2, ep=2)}, "^megatron.ep: 2 ranks .* ep 2 x expert tp 2 .*etp"),
+    ({"ranks": 2, "megatron": MegatronConfig(ep=2, etp=2)}, "^megatron.ep: 2 ranks .* ep 2 x expert tp 2"),
 ])
 def test_what_the_megatron_backend_cannot_run_is_refused_at_start_naming_the_field(settings, field):
     with pytest.raises(ValueError, match=field):
@@ -171,6 +173,7 @@ def test_what_the_megatron_backend_cannot_run_is_refused_at_start_naming_the_fie
     ({"num_layers_in_last_pipeline_stage": 2}, "^num_layers_in_last_pipeline_stage: needs pp > 1"),
     ({"pp": 2, "num_layers_in_first_pipeline_stage": 0}, "^num_layers_in_first_pipeline_stage: needs pp > 1 and a"),
     ({"microbatches": -1}, "^microbatches: must be >= 0"), ({"tp": 0}, "^tp: must be >= 1"),
+    ({"etp": -1}, "^etp: must be >= 1"),
     ({"moe_aux_loss_coeff": -1.0}, "^moe_aux_loss_coeff: must be >= 0")])
 def test_bad_parallel_settings_are_refused_naming_them(sizes, field):
     with pytest.raises(ValueError, match=field):

@@ -1,7 +1,8 @@
 """Each megatron rank a sender (``shard_sync``): two ranks of the megatron backend — tensor parallel on the tiny
-Qwen3, expert parallel on the tiny Qwen3-MoE, two uneven pipeline stages (1 + 3 layers) on the tiny Qwen3 — after a training step serve their own live shards to a real
-weight-exchange service, and a receiver holding the Hugging Face layout (fused experts, for the MoE) gets exactly
-the weights the group trained — each byte once, pulled from the rank that holds it."""
+Qwen3, expert parallel on the tiny Qwen3-MoE (beside data parallel, or beside tensor parallel with whole experts),
+two uneven pipeline stages (1 + 3 layers) on the tiny Qwen3 — after a training step serve their own live shards to
+a real weight-exchange service, and a receiver holding the Hugging Face layout (fused experts, for the MoE) gets
+exactly the weights the group trained — each byte once, pulled from the rank that holds it."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ pytest.importorskip("megatron.core")
 RANKS, DEADLINE, VERSION = 2, 300.0, 1
 
 
-CASES = {"tp=2": ({"tp": 2}, 0), "moe:ep=2,dp=2": ({"ep": 2}, 4),
+CASES = {"tp=2": ({"tp": 2}, 0), "moe:ep=2,dp=2": ({"ep": 2}, 4), "moe:tp=2,ep=2,etp=1": ({"tp": 2, "ep": 2, "etp": 1}, 4),
          "pp=2:first=1": ({"pp": 2, "num_layers_in_first_pipeline_stage": 1}, 0)}
 
 

@@ -1,6 +1,7 @@
 """The ``megatron`` backend: the policy as megatron-core GPTModel ranks (tensor parallel over ``megatron.tp``
 ranks, pipeline stages over ``megatron.pp``, data parallel over the rest; a MoE model's experts split over
-``megatron.ep`` ranks). pp = 1: each minibatch's forward and backward run on the model directly; pp > 1: through
+``megatron.ep`` ranks, each expert's matrices over ``megatron.etp``; a MoE model under tensor parallelism runs
+megatron-core's sequence parallelism, which it requires there). pp = 1: each minibatch's forward and backward run on the model directly; pp > 1: through
 megatron-core's own 1F1B schedule (``megatron/pipeline.py``); both on CPU (gloo) or CUDA/NPU. With ep > 1 the MoE
 layers gather every expert-group rank's tokens (megatron-core's all-gather dispatcher: its all-to-all one needs
 CUDA streams), so those ranks forward equal shapes and their expert gradients are reduced as megatron-core's DDP
@@ -46,7 +47,7 @@ class MegatronBackend(TorchBackend):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         m = config.megatron
         ps.initialize_model_parallel(tensor_model_parallel_size=m.tp, pipeline_model_parallel_size=m.pp,
-                                     expert_model_parallel_size=m.ep)
+                                     expert_model_parallel_size=m.ep, expert_tensor_parallel_size=m.expert_tp)
         self.tp_group, self.dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
         self.spec = model_spec(config.model_path)
         self.side = parse_side(m.side(self.world), "megatron")

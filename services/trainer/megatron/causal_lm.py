@@ -31,15 +31,21 @@ class MegatronCausalLM(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, use_cache: bool = False,
                 **_) -> types.SimpleNamespace:
         rows, width = input_ids.shape
+        shape = [rows, width]
         if self.expert_group is not None and dist.get_world_size(self.expert_group) > 1:
-            # the all-gather token dispatcher needs equal shapes on every rank of the group: pad rows and length
-            # (right padding, under the causal mask no real position sees it; its logits are dropped below)
-            shape = torch.tensor([rows, width], device=input_ids.device)
-            dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self.expert_group)
-            padded = input_ids.new_zeros(tuple(shape.tolist()))
-            padded[:rows, :width] = input_ids
-            return types.SimpleNamespace(logits=self._logits(padded)[:rows, :width])
-        return types.SimpleNamespace(logits=self._logits(input_ids))
+            # the all-gather token dispatcher needs equal shapes on every rank of the group
+            reduced = torch.tensor(shape, device=input_ids.device)
+            dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=self.expert_group)
+            shape = reduced.tolist()
+        config = self.gpt.config
+        if config.sequence_parallel:   # the sequence splits evenly over the TP ranks
+            shape[1] = -(-shape[1] // config.tensor_model_parallel_size) * config.tensor_model_parallel_size
+        if shape == [rows, width]:
+            return types.SimpleNamespace(logits=self._logits(input_ids))
+        # right padding: under the causal mask no real position sees it; its logits are dropped
+        padded = input_ids.new_zeros(tuple(shape))
+        padded[:rows, :width] = input_ids
+        return types.SimpleNamespace(logits=self._logits(padded)[:rows, :width])
 
     def _logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region

@@ -44,7 +44,10 @@ def transformer_config(spec: ModelSpec, par: MegatronParallel, *, params_dtype: 
         hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=cpu_init,
         params_dtype=params_dtype, pipeline_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
         tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp, expert_model_parallel_size=par.ep,
-        expert_tensor_parallel_size=par.etp or par.tp, sequence_parallel=False,
+        expert_tensor_parallel_size=par.etp or par.tp,
+        # megatron-core trains MoE layers under tensor parallelism only with sequence parallelism (the tokens
+        # between the TP regions split over the TP ranks); dense models keep whole sequences
+        sequence_parallel=moe and par.tp > 1,
         num_moe_experts=spec.num_experts if moe else None,
         moe_ffn_hidden_size=spec.moe_intermediate_size if moe else None, moe_router_topk=moe_topk,
         # Qwen3-MoE: softmax over all experts, top-k, renormalised == top-k then softmax (pre_softmax False)
@@ -83,11 +86,44 @@ def build_gpt_model(spec: ModelSpec, par: MegatronParallel | None = None, *, rop
     config = transformer_config(spec, par, **config_kwargs)
     moe = spec.num_experts > 0
     layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_experts if moe else None, qk_layernorm=spec.qk_norm)
+    if config.sequence_parallel:
+        layer_spec = _sequence_parallel_norms(layer_spec, config, par.pp_rank)
     return GPTModel(config=config, transformer_layer_spec=layer_spec, vocab_size=padded_vocab(spec, par),
                     max_sequence_length=max_sequence_length, pre_process=par.pp_rank == 0,
                     post_process=par.pp_rank == par.pp - 1,
                     share_embeddings_and_output_weights=spec.tie_word_embeddings, position_embedding_type="rope",
                     rotary_base=rope_theta)
+
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """The local spec's norm (megatron-core's ``WrappedTorchNorm``) refuses sequence parallelism, which
+    megatron-core requires for MoE layers under tensor parallelism. This one is the same ``torch.nn.RMSNorm`` with
+    its weight marked ``sequence_parallel`` as megatron-core's own fused norms mark theirs: each TP rank sees a
+    part of the sequence, so the weight's gradient is summed over the TP ranks (``ParallelGrads``)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+
+
+def _sequence_parallel_norms(layer_spec, config, pp_rank: int):
+    """The block of ``layer_spec`` layers with every norm (the layers', the attention's q / k, the final one) a
+    ``SequenceParallelRMSNorm``."""
+    import dataclasses
+
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    assert config.normalization == "RMSNorm", config.normalization
+    attention = layer_spec.submodules.self_attention
+    qk = {name: SequenceParallelRMSNorm for name in ("q_layernorm", "k_layernorm")
+          if getattr(attention.submodules, name) is not IdentityOp}
+    attention = dataclasses.replace(attention, submodules=dataclasses.replace(attention.submodules, **qk))
+    layer = dataclasses.replace(layer_spec, submodules=dataclasses.replace(
+        layer_spec.submodules, input_layernorm=SequenceParallelRMSNorm, pre_mlp_layernorm=SequenceParallelRMSNorm,
+        self_attention=attention))
+    layers = get_num_layers_to_build(config, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=SequenceParallelRMSNorm)
 
 
 def _without_transformer_engine() -> None:

@@ -294,6 +294,19 @@ def test_live_layout_matches_the_formula_and_names_every_difference():
         live_layout("r-1", params, MOE, "vllm", tp=2, tp_rank=1, ep=2)     # it holds TP-sharded, not EP, experts
 
 
+def test_live_layout_takes_vllm_experts_held_in_their_routed_experts_child():
+    """vLLM 0.3x: `mlp.experts.routed_experts.w13_weight`; the shards keep the live names."""
+    params = live_params(MOE, "vllm:tp=2", 0)
+    nested = {k.replace(".experts.", ".experts.routed_experts."): v for k, v in params.items()}
+    layout = live_layout("r", nested, MOE, "vllm", tp=2, tp_rank=0)
+    formula, _ = rank_shards(MOE, parse_side("vllm:tp=2"), 0, "bfloat16")
+    assert [s.local_name for s in layout.shards] == [s.local_name.replace(".experts.", ".experts.routed_experts.")
+                                                     for s in formula]
+    assert any(".routed_experts." in s.local_name for s in layout.shards)
+    assert [dataclasses.replace(s, local_name="") for s in layout.shards] == \
+        [dataclasses.replace(s, local_name="") for s in formula]
+
+
 def test_live_layout_from_a_vllm_expert_map_and_layer_range():
     params = live_params(MOE, "vllm:edp=3,ep=3,rr=1", 2)            # experts 2, 5
     expert_map = torch.full((8,), -1, dtype=torch.int32)

@@ -82,7 +82,50 @@ def refresh_cpu_gemms(model: torch.nn.Module) -> int:
 
 def _packed(module: torch.nn.Module, param: torch.Tensor) -> bool:
     """A linear layer whose weight the CPU backend moved into a packed copy (and emptied) after loading."""
-    return hasattr(module, "cpu_linear") and param.numel() == 0 and hasattr(module, "output_size_per_partition")
+    return hasattr(module, "cpu_linear") and param.numel() == 0 and hasattr(module, "output_size")
+
+
+def _linear_shape(module: torch.nn.Module) -> tuple[int, int]:
+    """A linear layer's weight shape on this rank: its partition's under tensor parallelism, the whole for a
+    replicated one (e.g. a MoE router's gate), which has no partition sizes."""
+    return (int(getattr(module, "output_size_per_partition", module.output_size)),
+            int(getattr(module, "input_size_per_partition", module.input_size)))
+
+
+EXPERT_WEIGHTS = ("w13_weight", "w2_weight")
+
+
+def _prepacked_experts(module: torch.nn.Module) -> bool:
+    """A MoE layer's experts that the CPU backend re-laid out after loading (`cpu_prepack_moe_weight`: the same
+    shape, or its intermediate size padded, in the kernel's blocked order). Raw bytes never go into them: both
+    weights are rebuilt from their plain values and packed again by the kernel's own post-load step."""
+    if not hasattr(module, "w13_weight") or not hasattr(module, "moe_config"):
+        return False
+    from vllm.platforms import current_platform
+
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    return current_platform.is_cpu() and experts is not None and not getattr(experts, "_use_zentorch", False)
+
+
+def _experts_shape(module: torch.nn.Module, leaf: str) -> tuple[int, ...]:
+    """The plain (checkpoint-order, unpadded) shape of a MoE layer's local experts."""
+    c = module.moe_config
+    inter = int(c.intermediate_size_per_partition_unpadded or c.intermediate_size_per_partition)
+    hidden = int(c.hidden_dim_unpadded or c.hidden_dim)
+    return (int(c.num_local_experts), 2 * inter, hidden) if leaf == "w13_weight" else \
+        (int(c.num_local_experts), hidden, inter)
+
+
+def repack_experts(module: torch.nn.Module, plain: dict[str, torch.Tensor]) -> None:
+    """A prepacked MoE layer takes plain `w13_weight` / `w2_weight` and runs its kernel's post-load step (pad,
+    prepack) again, as at load. (vLLM's own `process_weights_after_loading` sets the kernel up only once: on a
+    second call it copies the weights in and skips the prepack, so it is not the way in.)"""
+    from vllm.model_executor.utils import replace_parameter
+
+    for leaf in EXPERT_WEIGHTS:
+        replace_parameter(module, leaf, plain[leaf])
+    module.quant_method.moe_kernel.fused_experts.process_weights_after_loading(module)
 
 
 def live_params(model: torch.nn.Module, transposed=()) -> dict[str, tuple[torch.nn.Module, torch.Tensor,
@@ -95,10 +138,12 @@ def live_params(model: torch.nn.Module, transposed=()) -> dict[str, tuple[torch.
     for name, param in model.named_parameters():
         module_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_name) if module_name else model
-        packed = leaf == "weight" and _packed(module, param)
         tensor = param.data.transpose(-2, -1) if name in transposed else param.data
-        shape = (int(module.output_size_per_partition), int(module.input_size_per_partition)) if packed \
-            else tuple(int(d) for d in tensor.shape)
+        if leaf in EXPERT_WEIGHTS and _prepacked_experts(module):
+            packed, shape = True, _experts_shape(module, leaf)
+        else:
+            packed = leaf == "weight" and _packed(module, param)
+            shape = _linear_shape(module) if packed else tuple(int(d) for d in tensor.shape)
         out[name] = (module, tensor, shape, packed)
     return out
 
@@ -203,13 +248,17 @@ class WeightUpdateExtension:
         shadow = self.__dict__.setdefault("_meshrl_shadow", {})
         if not pending.track:
             shadow.clear()
+        experts: dict[str, torch.nn.Module] = {}     # prepacked MoE layers: both weights go in, then one repack
         with torch.no_grad():
             for name, buffer in pending.buffers.items():
                 module, param, _, is_packed = live[name]
                 if pending.delta and torch.equal(buffer, shadow[name] if is_packed else param):
                     unchanged += 1      # nothing of it changed: no copy, no re-packing
                     continue
-                if is_packed:
+                prefix, _, leaf = name.rpartition(".")
+                if is_packed and leaf in EXPERT_WEIGHTS:
+                    experts[prefix] = module
+                elif is_packed:
                     module.weight = torch.nn.Parameter(buffer, requires_grad=False)
                     module.quant_method.process_weights_after_loading(module)
                     if pending.track:
@@ -218,6 +267,16 @@ class WeightUpdateExtension:
                 else:
                     param.copy_(buffer)     # the parameter's memory (through the view when transposed)
                     in_place += 1
+            for prefix, module in experts.items():
+                plain = {leaf: pending.buffers.get(f"{prefix}.{leaf}", shadow.get(f"{prefix}.{leaf}"))
+                         for leaf in EXPERT_WEIGHTS}
+                missing = [leaf for leaf, tensor in plain.items() if tensor is None]
+                if missing:   # (planned whole at every update: a receiver's tensors are all planned)
+                    raise RuntimeError(f"worker {self.rank}: {prefix} has no plain {missing} to repack with")
+                repack_experts(module, plain)
+                if pending.track:
+                    shadow.update({f"{prefix}.{leaf}": tensor for leaf, tensor in plain.items()})
+                packed += 1
             if in_place:    # a plain weight changed: re-pack what shares it (the tied output layer)
                 refresh_cpu_gemms(model)
         return json.dumps({"in_place": in_place, "packed": packed, "unchanged": unchanged,

@@ -90,7 +90,9 @@ def live_layout(rank_id: str, params: Mapping[str, Any] | Iterable[tuple[str, An
     """
     if engine not in ENGINES:
         raise FieldError("engine", f"unknown {engine!r} (known: {', '.join(ENGINES)})")
-    live = {name: _shape_dtype(v) for name, v in (params.items() if isinstance(params, Mapping) else params)}
+    held = {name: _shape_dtype(v) for name, v in (params.items() if isinstance(params, Mapping) else params)}
+    names = {_formula_name(name): name for name in held}     # the formula's name -> the live one
+    live = {formula_name: held[name] for formula_name, name in names.items()}
     if expert_map is not None:
         if expert_ids is not None:
             raise ValueError("expert_map / expert_ids: give one")
@@ -105,7 +107,7 @@ def live_layout(rank_id: str, params: Mapping[str, Any] | Iterable[tuple[str, An
         declared.setdefault(s.local_name, s.local_shape)
     skip = set(ignore)
     missing = sorted(n for n in declared if n not in live)
-    extra = sorted(n for n in live if n not in declared and n not in skip)
+    extra = sorted(names[n] for n in live if n not in declared and names[n] not in skip)
     shapes = sorted(f"{n}: live {list(live[n][0])}, expected {list(_live_shape(engine, n, shape))}"
                     for n, shape in declared.items()
                     if n in live and logical_shape(engine, n, live[n][0]) != shape)
@@ -120,8 +122,8 @@ def live_layout(rank_id: str, params: Mapping[str, Any] | Iterable[tuple[str, An
         raise LayoutMismatch(f"{rank_id}: live parameters of {engine} (tp_rank {tp_rank}/{tp}, ep {ep}, edp_rank "
                              f"{edp_rank}/{edp}, layers {layers}) do not match the {spec.arch} layout: "
                              + "; ".join(problems))
-    shards = [Shard(s.canonical_name, s.canonical_shape, live[s.local_name][1], s.canonical_region, s.local_name,
-                    s.local_shape, s.local_region) for s in formula]
+    shards = [Shard(s.canonical_name, s.canonical_shape, live[s.local_name][1], s.canonical_region,
+                    names[s.local_name], s.local_shape, s.local_region) for s in formula]
     parallel = par.as_dict()
     if layers is not None:
         parallel.update(layer_start=layers[0], layer_stop=layers[1])
@@ -130,6 +132,13 @@ def live_layout(rank_id: str, params: Mapping[str, Any] | Iterable[tuple[str, An
     layout = RankLayout(rank_id, RECEIVER, engine, shards, parallel, agent_address=agent_address, host=host,
                         version=version)
     return layout
+
+
+def _formula_name(name: str) -> str:
+    """A live parameter's name as the formula layouts write it. vLLM 0.3x keeps a FusedMoE layer's weights in
+    its `routed_experts` child (`mlp.experts.routed_experts.w13_weight`); earlier versions, vLLM-Ascend and the
+    formula hold them on the layer itself (`mlp.experts.w13_weight`)."""
+    return name.replace(".experts.routed_experts.", ".experts.")
 
 
 def _live_shape(engine: str, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -1,9 +1,10 @@
 """Megatron ranks into live engines: two ranks of the megatron backend train a step and each serves its own shards;
 the receiver is a real engine — the embedded engine (tensor parallel, tp=2) or a vLLM server on CPU (the MoE model
 at ep=2 beside data parallel, and at tp=2 x ep=2 with whole experts) — each vLLM worker pulling its own bytes and
-re-packing the layers its CPU kernels keep in their own order. Afterwards the engine computes what an engine of the
-same kind built from the trainer's exported Hugging Face checkpoint computes, and the update moved exactly the
-bytes the receiver holds (`bytes_moved == bytes_min`)."""
+re-packing the layers its CPU kernels keep in their own order. The first update is full and moves exactly the bytes
+the receiver holds (`bytes_moved == bytes_min`); after a second step the next is a delta (only changed elements).
+Afterwards the engine computes what an engine of the same kind built from the trainer's exported Hugging Face
+checkpoint of that version computes."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from tests.trainer.test_trainer_engine import NEW, engine_for, make_batch
 pytest.importorskip("megatron.core")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-RANKS, DEADLINE, VERSION = 2, 300.0, 1
+RANKS, DEADLINE, STEPS = 2, 300.0, 2
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 3, 77], [100, 12, 9, 31, 64, 2]]
 NEW_TOKENS = 6
 # (engine kind, parallel sizes, MoE experts); head_dim 32: vLLM's CPU attention has no kernel for 16
@@ -66,32 +67,38 @@ async def outputs(engine) -> list[tuple[list[int], list[float]]]:
     return out
 
 
-async def send_shards(engine, rank: int, address: str) -> int:
-    """This rank's sender over its live shards; rank 0 asks for the sync once both registered. Rank 0: the bytes
-    moved."""
+async def train_and_send(trainer, batches: list, rank: int, address: str) -> list[dict]:
+    """A step, then this rank's sender over its live shards; each later step inside the sender's update bracket.
+    After each step rank 0 asks for the sync (once every rank is ready) and keeps the replies."""
     import torch.distributed as dist
 
     from services.weight_exchange.client import SenderAgent
 
-    params, shards = engine.local_shards()
-    framework, parallel = engine.sender_layout()
+    trainer.step(batches[0], 0)
+    params, shards = trainer.local_shards()
+    framework, parallel = trainer.sender_layout()
     sender = SenderAgent(f"trainer-0-r{rank}" if rank else "trainer-0", params, address, transports=("shm", "tcp"),
-                         shards=shards, framework=framework, parallel=parallel, version=VERSION)
+                         shards=shards, framework=framework, parallel=parallel, version=1)
     await sender.start()
-    moved = 0
+    replies = []
     try:
-        await asyncio.to_thread(dist.barrier)
-        if rank == 0:
-            reply = await sender.sync(VERSION, timeout=120.0, transport="shm", verify=True)
-            moved = reply.bytes_moved
-        await asyncio.to_thread(dist.barrier)   # every rank serves until the sync is done
+        for version in range(1, len(batches) + 1):
+            if version > 1:
+                sender.begin_update()
+                trainer.step(batches[version - 1], version - 1)
+                sender.end_update(version)
+            await asyncio.to_thread(dist.barrier)
+            if rank == 0:
+                reply = await sender.sync(version, timeout=120.0, transport="shm", verify=True)
+                replies.append({"bytes_moved": reply.bytes_moved, "delta": reply.delta})
+            await asyncio.to_thread(dist.barrier)   # every rank serves until the sync is done
     finally:
         await sender.close()
-    return moved
+    return replies
 
 
 def rank_main(rank: int, store: str, model_dir: str, sizes: dict, batch_file: str, address: str, out: str) -> None:
-    """Train one step, send this rank's shards into the engine, then export the trained weights (rank 0)."""
+    """Train the steps, sending this rank's shards into the engine after each; then export the trained weights."""
     from services.trainer.engine import build_engine as build_trainer
 
     torch.set_num_threads(1)
@@ -99,12 +106,11 @@ def rank_main(rank: int, store: str, model_dir: str, sizes: dict, batch_file: st
     trainer = build_trainer(TrainerConfig(model_path=model_dir, algo="grpo", max_new_tokens=NEW, wx_address="",
                                           backend="megatron", ranks=RANKS, megatron=MegatronConfig(**sizes),
                                           shard_sync=True, run_dir=f"{out}.run"))
-    trainer.step(torch.load(batch_file, weights_only=False), 0)
-    moved = asyncio.run(send_shards(trainer, rank, address))
+    replies = asyncio.run(train_and_send(trainer, torch.load(batch_file, weights_only=False), rank, address))
     trainer.gather_weights()
     if rank == 0:
-        trainer.save(f"{out}.export", version=VERSION)   # the trainer's Hugging Face checkpoint of this version
-        torch.save({"bytes_moved": moved}, f"{out}.json")
+        trainer.save(f"{out}.export", version=STEPS)   # the trainer's Hugging Face checkpoint of this version
+        torch.save(replies, f"{out}.replies")
     leave_cpu_group()
 
 
@@ -115,22 +121,25 @@ async def test_megatron_ranks_sync_into_a_live_engine_as_its_exported_checkpoint
 
     kind, sizes, experts = CASES[case]
     model_dir = make_model(tmp_path / "model", experts)
-    batch = make_batch(engine_for(model_dir, "grpo").model, seed=0, version=0)
-    torch.save(batch, tmp_path / "batch.pt")
+    model = engine_for(model_dir, "grpo").model
+    torch.save([make_batch(model, seed=s, version=s) for s in range(STEPS)], tmp_path / "batches.pt")
     out = str(tmp_path / "out")
     engine = build_engine(kind, model_dir, tmp_path / "synced.log")
     reference = None
     await asyncio.to_thread(engine.start)
     try:
         before = await outputs(engine)
-        async with exchange_service() as address, hosted_receiver(address, engine_receiver(engine)) as receiver:
+        async with exchange_service(delta=True) as address, \
+                hosted_receiver(address, engine_receiver(engine)) as receiver:
             codes = await asyncio.to_thread(
-                run_spawned, rank_main, [(r, str(tmp_path / "store"), model_dir, sizes, str(tmp_path / "batch.pt"),
+                run_spawned, rank_main, [(r, str(tmp_path / "store"), model_dir, sizes, str(tmp_path / "batches.pt"),
                                           address, out) for r in range(RANKS)], deadline_s=DEADLINE)
             assert codes == [0] * RANKS, f"rank exit codes {codes} (negative: killed at the {DEADLINE}s deadline)"
             bytes_min = sum(s.num_bytes for s in receiver.shards)
-        assert torch.load(f"{out}.json")["bytes_moved"] == bytes_min   # each byte the engine holds, once
-        assert engine.version == VERSION
+        full, delta = torch.load(f"{out}.replies")
+        assert full == {"bytes_moved": bytes_min, "delta": False}   # each byte the engine holds, once
+        assert delta["delta"] and 0 < delta["bytes_moved"] <= bytes_min   # then what changed (values and indices)
+        assert engine.version == STEPS
         synced = await outputs(engine)
         reference = build_engine(kind, f"{out}.export", tmp_path / "reference.log")
         await asyncio.to_thread(reference.start)

@@ -1,7 +1,10 @@
-"""Review fixes: the dual clip per objective, the IcePop preset, IPO's length normalisation, ``--list``."""
+"""Review fixes: the dual clip per objective, the IcePop and KPop presets, IPO's length normalisation, ``--list``."""
 
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
 
 from services.trainer.algorithms import PRESETS, AlgorithmConfig, gspo_loss
@@ -50,6 +53,45 @@ def test_icepop_masks_tokens_outside_the_two_sided_band():
         logp=logp, prox_logp=prox, behav_logp=behav, advantages=torch.ones(1, 4), loss_mask=torch.ones(1, 4)
     )[0].backward()
     assert logp.grad[0].ne(0).tolist() == [True, True, True, False]
+
+
+def test_kpop_masks_by_binary_kl_not_by_ratio():
+    # pi_behav -> pi_prox per token: a rare token 1e-6 -> 1e-4 (ratio 100, binary KL 4e-4), 0.5 -> 0.45 (KL 5e-3),
+    # 0.5 -> 0.2 (ratio 0.4, KL 0.19), 0.8 -> 0.999 (ratio 1.25, KL 0.22: the rest's mass fell 200-fold)
+    behav = torch.log(torch.tensor([[1e-6, 0.5, 0.5, 0.8]]))
+    prox = torch.log(torch.tensor([[1e-4, 0.45, 0.2, 0.999]]))
+    algo = AlgorithmConfig.from_preset("kpop").build()
+    logp = prox.clone().requires_grad_()
+    loss, stats = algo.policy_loss(logp=logp, prox_logp=prox, behav_logp=behav, advantages=torch.ones(1, 4),
+                                   loss_mask=torch.ones(1, 4))
+    loss.backward()
+    assert logp.grad[0].ne(0).tolist() == [True, True, False, False]
+    assert stats["behav_imp_weight_affected_fraction"] == 0.5
+    # the rare token keeps its uncapped weight: its gradient is 100x a fresh token's (token mean of 4, ratio 1)
+    assert logp.grad[0, 0].item() == pytest.approx(-100.0 / 4, rel=1e-3)
+    # icepop's ratio band decides the other way on the rare token and on 0.8 -> 0.999
+    logp = prox.clone().requires_grad_()
+    AlgorithmConfig.from_preset("icepop").build().policy_loss(
+        logp=logp, prox_logp=prox, behav_logp=behav, advantages=torch.ones(1, 4), loss_mask=torch.ones(1, 4)
+    )[0].backward()
+    assert logp.grad[0].ne(0).tolist() == [False, True, False, True]
+    # sequence level: the row's mean binary KL (0.104) over the cap masks the whole row
+    seq = AlgorithmConfig.from_preset("kpop", behav_imp_weight_level="sequence").build()
+    _, stats = seq.policy_loss(logp=prox.clone(), prox_logp=prox, behav_logp=behav, advantages=torch.ones(1, 4),
+                               loss_mask=torch.ones(1, 4))
+    assert stats["behav_imp_weight_affected_fraction"] == 1.0
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"behav_imp_weight_cap": 5.0}, "behav_imp_weight_cap=5.0 bounds the ratio"),
+    ({"behav_imp_weight_mode": "clamp"}, "behav_imp_weight_mode='clamp'"),
+    ({"behav_binary_kl_cap": None}, "behav_binary_kl_cap must be set"),
+    ({"behav_binary_kl_cap": -1.0}, "behav_binary_kl_cap=-1.0 must be > 0"),
+    ({"behav_imp_weight_metric": "ratio"}, "behav_binary_kl_cap=0.1 needs behav_imp_weight_metric='binary_kl'"),
+])
+def test_kpop_settings_that_do_not_fit_are_refused_naming_them(overrides, field):
+    with pytest.raises(ValueError, match=re.escape(field)):
+        AlgorithmConfig.from_preset("kpop", **overrides)
 
 
 def test_ipo_uses_length_normalised_sequence_logps():

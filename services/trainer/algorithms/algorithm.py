@@ -270,6 +270,8 @@ class Algorithm:
                 floor=c.behav_imp_weight_floor,
                 mode=c.behav_imp_weight_mode,
                 level=c.behav_imp_weight_level,
+                metric=c.behav_imp_weight_metric,  # type: ignore[arg-type]
+                kl_cap=c.behav_binary_kl_cap,
             )
             weight, kept = bw.weight, bw.mask
             stats["behav_imp_weight_affected_fraction"] = bw.affected_fraction

@@ -22,6 +22,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "prox_logp_method": ("recompute", "loglinear"),
     "behav_imp_weight_mode": ("mask", "clamp"),
     "behav_imp_weight_level": ("token", "sequence"),
+    "behav_imp_weight_metric": ("ratio", "binary_kl"),
     "loss_agg": AGG_MODES,
     "dpo_loss_type": ("sigmoid", "ipo"),
     "reward_level": ("outcome", "process"),
@@ -78,6 +79,10 @@ class AlgorithmConfig:
     behav_imp_weight_floor: float | None = None  # lower bound (two-sided IcePop band)
     behav_imp_weight_mode: str = "mask"  # mask (drop the token) | clamp (truncated IS)
     behav_imp_weight_level: str = "token"  # token | sequence (geometric mean)
+    # what decides a masked token: ratio (the band above) | binary_kl (KPop: KL of Bernoulli(pi_prox(y)) from
+    # Bernoulli(pi_behav(y)) above behav_binary_kl_cap; the ratio band then unset)
+    behav_imp_weight_metric: str = "ratio"
+    behav_binary_kl_cap: float | None = None
     m2_threshold: float | None = None  # M2PO second-moment masking
 
     # Aggregation, dynamic sampling, offline
@@ -99,6 +104,7 @@ class AlgorithmConfig:
             "m2_threshold",
             "loss_agg_constant",
             "behav_imp_weight_cap",
+            "behav_binary_kl_cap",
             "sapo_tau_pos",
             "sapo_tau_neg",
             "dpo_beta",
@@ -125,6 +131,7 @@ class AlgorithmConfig:
         floor, cap = self.behav_imp_weight_floor, self.behav_imp_weight_cap
         if floor is not None and cap is not None and floor >= cap:
             raise ValueError(f"algorithm setting behav_imp_weight_floor={floor} must be < behav_imp_weight_cap={cap}")
+        self._check_metric()
         if not self.use_decoupled_loss:
             for name, inert in (("prox_logp_method", "recompute"), ("m2_threshold", None)):
                 if getattr(self, name) != inert:
@@ -138,6 +145,23 @@ class AlgorithmConfig:
             raise ValueError(
                 f"algorithm objective {self.objective!r} is offline: use_critic and dynamic_sampling must be off"
             )
+
+    def _check_metric(self) -> None:
+        if self.behav_imp_weight_metric == "ratio":
+            if self.behav_binary_kl_cap is not None:
+                raise ValueError(f"algorithm setting behav_binary_kl_cap={self.behav_binary_kl_cap!r} needs "
+                                 "behav_imp_weight_metric='binary_kl'")
+            return
+        if self.behav_binary_kl_cap is None:
+            raise ValueError("algorithm setting behav_binary_kl_cap must be set (> 0) with "
+                             "behav_imp_weight_metric='binary_kl'")
+        for name in ("behav_imp_weight_cap", "behav_imp_weight_floor"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"algorithm setting {name}={getattr(self, name)!r} bounds the ratio; with "
+                                 "behav_imp_weight_metric='binary_kl' the binary KL decides: set it to null")
+        if self.behav_imp_weight_mode != "mask":
+            raise ValueError(f"algorithm setting behav_imp_weight_mode={self.behav_imp_weight_mode!r}: "
+                             "behav_imp_weight_metric='binary_kl' masks (there is no KL to clamp a weight to)")
 
     @classmethod
     def from_preset(cls, preset: str, **overrides: Any) -> AlgorithmConfig:

@@ -32,6 +32,25 @@ def loglinear_prox_logp(
     return behav_logp + alpha * (logp.detach() - behav_logp)
 
 
+WeightMetric = Literal["ratio", "binary_kl"]
+
+
+def binary_kl(prox_logp: torch.Tensor, behav_logp: torch.Tensor) -> torch.Tensor:
+    """KL(Bernoulli(p) || Bernoulli(q)) per token, p = pi_prox(y_t), q = pi_behav(y_t): how far the two policies
+    are apart on the partition {the sampled token, every other token} (KPop),
+
+        p log(p / q) + (1 - p) log((1 - p) / (1 - q)).
+
+    0 when p == q; small for a rare token whatever its ratio (the mass that moved is small); +inf where q is 0 or
+    1 and p is not. No grad."""
+    lp = prox_logp.detach().double().clamp(max=0.0)
+    lq = behav_logp.detach().double().clamp(max=0.0)
+    p = lp.exp()
+    log_rest_p, log_rest_q = torch.log(-torch.expm1(lp)), torch.log(-torch.expm1(lq))   # log(1 - p), log(1 - q)
+    rest = torch.where(p < 1, (1 - p) * (log_rest_p - log_rest_q), 0.0)
+    return (p * (lp - lq) + rest).float()
+
+
 @dataclass(slots=True)
 class BehaviourWeights:
     weight: torch.Tensor  # float[B, T], no grad; 0 where a token is not trained
@@ -48,6 +67,8 @@ def behaviour_weights(
     floor: float | None = None,
     mode: WeightMode = "mask",
     level: WeightLevel = "token",
+    metric: WeightMetric = "ratio",
+    kl_cap: float | None = None,
 ) -> BehaviourWeights:
     """Importance weight w = pi_prox / pi_behav (no grad) with a band [floor, cap].
 
@@ -56,10 +77,22 @@ def behaviour_weights(
     - ``mode="mask"``: tokens (or whole rows) whose weight leaves the band are dropped from the loss
       (rejection / IcePop-style two-sided masking when ``floor`` is set); ``"clamp"``: weights are
       clamped into the band and every token stays (truncated importance sampling).
+    - ``metric="binary_kl"`` (KPop): what is masked is decided by ``binary_kl`` instead of the ratio: tokens
+      whose binary KL exceeds ``kl_cap`` (``level="sequence"``: rows whose mean over their tokens does); the
+      kept tokens keep their own w, unbounded (``cap`` / ``floor`` unused; mask mode only).
     """
     mask = loss_mask.bool()
     log_w = (prox_logp.detach() - behav_logp.detach()).float()
     log_w = torch.where(mask & torch.isfinite(log_w), log_w, 0.0)
+    if metric == "binary_kl":
+        assert mode == "mask" and kl_cap is not None, (mode, kl_cap)
+        divergence = torch.where(mask, binary_kl(prox_logp, behav_logp), 0.0)
+        if level == "sequence":
+            divergence = (divergence.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)).expand_as(log_w)
+        outside = mask & ~(divergence <= kl_cap)     # NaN (0 * inf) is outside too
+        kept = mask & ~outside
+        return BehaviourWeights(torch.where(kept, torch.exp(log_w), 0.0), kept,
+                                int(outside.sum()) / max(int(mask.sum()), 1))
     if level == "sequence":
         log_w = (log_w.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)).expand_as(log_w)
     w = torch.exp(log_w)

@@ -92,6 +92,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         "behav_imp_weight_mode": "mask",
         "behav_imp_weight_level": "token",
     },
+    "kpop": {
+        "objective": "ppo",
+        **_GROUP,
+        "eps_clip": 0.2,
+        "use_decoupled_loss": True,
+        "behav_imp_weight_metric": "binary_kl",
+        "behav_binary_kl_cap": 0.1,
+        "behav_imp_weight_cap": None,
+        "behav_imp_weight_mode": "mask",
+        "behav_imp_weight_level": "token",
+    },
     "dpo": {"objective": "dpo", "dpo_beta": 0.1, "dpo_loss_type": "sigmoid"},
     "sft": {"objective": "sft", "loss_agg": "token_mean"},
 }
@@ -110,6 +121,7 @@ DESCRIPTIONS: dict[str, str] = {
     "cispo": "CISPO: clipped stop-gradient importance weight on log pi",
     "m2po": "M2PO: second-moment token masking, no ratio clip",
     "icepop": "IcePop: tokens whose train/infer ratio leaves [0.5, 5] are masked (two-sided), PPO clip",
+    "kpop": "KPop: tokens whose binary KL between train and infer probability exceeds 0.1 are masked, PPO clip",
     "dpo": "DPO: offline preference pairs against a frozen reference",
     "sft": "SFT: negative log-likelihood of the trained tokens",
 }

@@ -15,6 +15,8 @@ NOTES: dict[str, str] = {
     "groups with reward variance (builder option dynamic_sampling, set by the launcher from this setting)",
     "icepop": "the ratio band is the paper's [alpha, beta] = [0.5, 5] on pi_train(theta_old) / pi_infer; "
     "tokens outside it are dropped, not clamped",
+    "kpop": "AReaL's rejection_sampling.metric=binary_kl; the threshold 0.1 is meshrl's default (a token with "
+    "pi_behav 0.5 is masked once pi_prox leaves about [0.28, 0.72]); the kept tokens' weights are not capped",
 }
 
 
@@ -70,6 +72,9 @@ def off_policy(c: AlgorithmConfig) -> str:
         return "-"
     if not c.use_decoupled_loss:
         return "none (ratio to pi_behav)"
+    if c.behav_imp_weight_metric == "binary_kl":
+        return (f"pi_prox/pi_behav per token, mask where binary KL(pi_prox(y) || pi_behav(y)) per "
+                f"{c.behav_imp_weight_level} > {c.behav_binary_kl_cap:g}")
     low = 0 if c.behav_imp_weight_floor is None else c.behav_imp_weight_floor
     high = "inf" if c.behav_imp_weight_cap is None else f"{c.behav_imp_weight_cap:g}"
     text = f"pi_prox/pi_behav per {c.behav_imp_weight_level}, {c.behav_imp_weight_mode} outside [{low:g}, {high}]"

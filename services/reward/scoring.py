@@ -130,7 +130,7 @@ class Scorer:
 
     def score(self, traj: data_pb2.Trajectory) -> data_pb2.Trajectory:
         checked = self._check_trajectory(traj)
-        return _scored(traj, checked, _as_invalid(self._verify, checked))
+        return self._scored(traj, checked, _as_invalid(self._verify, checked))
 
     async def score_async(self, traj: data_pb2.Trajectory) -> data_pb2.Trajectory:
         """`score` without blocking the event loop: checked on the loop, and settled there when a bounded-time
@@ -140,7 +140,24 @@ class Scorer:
             verdict = _as_invalid(self._verify, checked)
         else:
             verdict = await asyncio.to_thread(_as_invalid, self._verify, checked)
-        return _scored(traj, checked, verdict)
+        if verdict.steps:   # placing steps decodes prefixes of the response: off the event loop
+            return await asyncio.to_thread(self._scored, traj, checked, verdict)
+        return self._scored(traj, checked, verdict)
+
+    def _scored(self, traj: data_pb2.Trajectory, checked: _Checked, verdict: Verdict) -> data_pb2.Trajectory:
+        """`add_reward`: the trajectory's own reward (an agent's, from the gateway) on top of the verifier's. The
+        verdict's steps become its step rewards unless it came with its own (an agent's per-turn rewards stand)."""
+        scored = data_pb2.Trajectory()
+        scored.CopyFrom(traj)
+        reward = verdict.reward + (traj.reward if checked.task.get("add_reward") else 0.0)
+        scored.reward, scored.scored, scored.scored_at, scored.verifier = reward, True, now(), checked.name
+        if verdict.steps and not traj.step_rewards:
+            try:
+                scored.step_rewards.extend(self.step_rewards(traj, checked, verdict))
+            except Exception as exc:  # noqa: BLE001 - a prefix the tokenizer cannot decode: this one cannot be placed
+                raise InvalidMessage(f"completion_ids: the verifier's steps cannot be placed ({type(exc).__name__}: "
+                                     f"{exc})") from exc
+        return scored
 
     def _check_trajectory(self, traj: data_pb2.Trajectory) -> _Checked:
         validate_trajectory(traj, self.vocab_size)
@@ -150,12 +167,47 @@ class Scorer:
             name, field = traj.verifier or self.default, "verifier"
         if not isinstance(name, str):
             raise InvalidMessage(f"{field}: must be a string, got {name!r}")
-        ids = final_turn(traj) if task.get("response") == "final_turn" else list(traj.completion_ids)
+        start, stop = final_turn_span(traj) if task.get("response") == "final_turn" else (0, len(traj.completion_ids))
+        ids = list(traj.completion_ids[start:stop])
         try:
             text = self.decode(ids)
         except Exception as exc:  # noqa: BLE001 - whatever the tokenizer refuses, this message can never be scored
             raise InvalidMessage(f"completion_ids: cannot be decoded ({type(exc).__name__}: {exc})") from exc
-        return _as_invalid(self._check, name, text, task, n_tokens=len(ids), field=field)
+        checked = _as_invalid(self._check, name, text, task, n_tokens=len(ids), field=field)
+        return dataclasses.replace(checked, ids=ids, first_token=start)
+
+    def step_rewards(self, traj: data_pb2.Trajectory, checked: _Checked, verdict: Verdict) -> list[data_pb2.StepReward]:
+        """The verdict's steps on the completion tokens that end them: the fewest leading tokens of the response
+        whose decoded text reaches each step's end (a step that ends inside a token ends with it; steps ending on one
+        token merge, the lowest reward standing), moved on to the next trained token where one is not."""
+        mask = list(traj.loss_mask) or [1] * len(traj.completion_ids)
+        out: list[data_pb2.StepReward] = []
+        lengths: dict[int, int] = {}
+
+        def covered(k: int) -> int:
+            if k not in lengths:
+                lengths[k] = len(self.decode(checked.ids[:k]))
+            return lengths[k]
+
+        low = 1
+        for step in verdict.steps:
+            high = len(checked.ids)
+            while low < high:        # the smallest k in [low, high] whose text reaches step.end
+                mid = (low + high) // 2
+                if covered(mid) >= step.end:
+                    high = mid
+                else:
+                    low = mid + 1
+            end = checked.first_token + low
+            while end <= len(mask) and not mask[end - 1]:
+                end += 1
+            if end > len(mask):
+                break
+            if out and out[-1].end == end:
+                out[-1].reward = min(out[-1].reward, step.reward)
+            else:
+                out.append(data_pb2.StepReward(end=end, reward=step.reward))
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +220,8 @@ class _Checked:
     terms: list[shaping.Term]
     n_tokens: int | None
     quick: Verdict | None
+    ids: list[int] = dataclasses.field(default_factory=list)  # the response's tokens (a trajectory's)
+    first_token: int = 0        # where they start in the completion
 
 
 def _as_invalid(fn: Callable[..., T], *args, **kwargs) -> T:
@@ -181,20 +235,17 @@ def _as_invalid(fn: Callable[..., T], *args, **kwargs) -> T:
 def final_turn(traj: data_pb2.Trajectory) -> list[int]:
     """The last run of sampled tokens (loss mask 1): a gateway session's last answer, without what came before it
     (earlier turns, tool results, the template's glue). A completion without a mask is all sampled."""
-    ids, mask = list(traj.completion_ids), list(traj.loss_mask) or [1] * len(traj.completion_ids)
+    start, end = final_turn_span(traj)
+    return list(traj.completion_ids[start:end])
+
+
+def final_turn_span(traj: data_pb2.Trajectory) -> tuple[int, int]:
+    """[start, end) of `final_turn` in the completion."""
+    mask = list(traj.loss_mask) or [1] * len(traj.completion_ids)
     end = len(mask)
     while end > 0 and mask[end - 1] == 0:
         end -= 1
     start = end
     while start > 0 and mask[start - 1] == 1:
         start -= 1
-    return ids[start:end]
-
-
-def _scored(traj: data_pb2.Trajectory, checked: _Checked, verdict: Verdict) -> data_pb2.Trajectory:
-    """`add_reward`: the trajectory's own reward (an agent's, from the gateway) on top of the verifier's."""
-    scored = data_pb2.Trajectory()
-    scored.CopyFrom(traj)
-    reward = verdict.reward + (traj.reward if checked.task.get("add_reward") else 0.0)
-    scored.reward, scored.scored, scored.scored_at, scored.verifier = reward, True, now(), checked.name
-    return scored
+    return start, end

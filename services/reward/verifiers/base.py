@@ -16,9 +16,19 @@ T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
+class StepVerdict:
+    """One step of a response: it ends before character `end` of the response, and earns `reward`."""
+    end: int
+    reward: float
+
+
+@dataclasses.dataclass(frozen=True)
 class Verdict:
     reward: float
     detail: str
+    # process rewards, in order: each step's reward and where it ends in the response (the reward service places
+    # each on the completion token that ends it: Trajectory.step_rewards). Empty: an outcome reward only.
+    steps: tuple[StepVerdict, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,11 +74,15 @@ def clamp(verdict: Verdict, bounds: tuple[float, float]) -> Verdict:
     """The verdict with its reward inside `bounds` (NaN: the low end); the detail says when it was clamped, since
     an out-of-range reward is a verifier bug or a forged verdict."""
     low, high = bounds
+
+    def inside(reward: float) -> float:
+        return low if math.isnan(reward) else min(max(reward, low), high)
+
+    steps = tuple(StepVerdict(s.end, inside(s.reward)) for s in verdict.steps)
     reward = verdict.reward
     if low <= reward <= high:
-        return verdict
-    fixed = low if math.isnan(reward) else min(max(reward, low), high)
-    return Verdict(fixed, f"{verdict.detail} (reward {reward!r} clamped to [{low:g}, {high:g}])")
+        return dataclasses.replace(verdict, steps=steps)
+    return Verdict(inside(reward), f"{verdict.detail} (reward {reward!r} clamped to [{low:g}, {high:g}])", steps)
 
 
 def reference_answer(task: Mapping[str, Any]) -> str:

@@ -7,7 +7,9 @@ A plugin package declares, in its pyproject.toml:
 
 The object named is a class (instantiated with no arguments), an instance, or a plain function
 `score(response, task)`. Its `score(response: str, task: dict) -> float | (reward, detail) | Verdict` grades a
-response against the trajectory's metadata; an optional `check(task)` raises ValueError naming the field for a task
+response against the trajectory's metadata (a Verdict may carry `steps`, process rewards: each a StepVerdict with
+the character offset where its step ends in the response; the reward service places each on the completion token
+that ends it); an optional `check(task)` raises ValueError naming the field for a task
 it can never score, and an optional `reward_range` attribute, a (low, high) pair (default (0, 1)): a reward outside
 it is clamped into it. Plugins need no import of meshrl. They run in the reward service's worker processes with a
 deadline, like math-verify; built-in names win over a plugin of the same name.
@@ -21,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from services.common.errors import FieldError
-from services.reward.verifiers.base import REWARD_RANGE, Verdict, check_range
+from services.reward.verifiers.base import REWARD_RANGE, StepVerdict, Verdict, check_range
 
 GROUP = "meshrl.verifiers"
 
@@ -53,8 +55,9 @@ class PluginVerifier:
 
     def score(self, response: str, task: Mapping[str, Any]) -> Verdict:
         result = self._score(response, task)
+        steps: tuple[StepVerdict, ...] = ()
         if isinstance(result, Verdict):
-            reward, detail = result.reward, result.detail
+            reward, detail, steps = result.reward, result.detail, result.steps
         elif isinstance(result, tuple) and len(result) == 2:
             reward, detail = result
         else:
@@ -62,7 +65,10 @@ class PluginVerifier:
         reward = float(reward)
         if not math.isfinite(reward):
             raise RuntimeError(f"plugin {self.name!r} returned a non-finite reward {reward!r}")
-        return Verdict(reward, str(detail))
+        for step in steps:
+            if not (isinstance(step, StepVerdict) and math.isfinite(step.reward)):
+                raise RuntimeError(f"plugin {self.name!r} returned a bad step {step!r} (StepVerdict, finite reward)")
+        return Verdict(reward, str(detail), tuple(steps))
 
 
 def load(name: str, ep: importlib.metadata.EntryPoint, field: str) -> PluginVerifier:

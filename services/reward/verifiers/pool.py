@@ -21,7 +21,7 @@ from typing import Any
 import msgpack
 
 from services.common.errors import FieldError
-from services.reward.verifiers.base import Verdict
+from services.reward.verifiers.base import StepVerdict, Verdict
 from services.reward.verifiers.worker import HEADER
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
@@ -127,7 +127,7 @@ class VerifierPool:
             self._idle.put(worker)
         status = reply[0]
         if status == "ok":
-            return Verdict(float(reply[1]), str(reply[2]))
+            return Verdict(float(reply[1]), str(reply[2]), tuple(StepVerdict(int(e), float(r)) for e, r in reply[3]))
         if status == "invalid":
             raise ValueError(str(reply[1]))
         return Verdict(0.0, f"verifier error: {reply[1]}")

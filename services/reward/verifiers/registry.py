@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from services.common.errors import FieldError
 from services.reward.verifiers import plugins, rgym
+from services.reward.verifiers.arithmetic_chain import ArithmeticChainVerifier
 from services.reward.verifiers.base import Verifier
 from services.reward.verifiers.code_io import CodeIOVerifier
 from services.reward.verifiers.code_tests import CodeTestsVerifier
@@ -21,7 +22,7 @@ from services.reward.verifiers.regex import RegexVerifier
 
 BUILTIN: dict[str, Callable[[], Verifier]] = {"math": MathVerifier, "exact": ExactMatchVerifier, "regex": RegexVerifier,
                                               "code_tests": CodeTestsVerifier, "code_io": CodeIOVerifier,
-                                              "llm_judge": JudgeVerifier}
+                                              "llm_judge": JudgeVerifier, "arithmetic_chain": ArithmeticChainVerifier}
 
 
 def build_verifier(name: str, field: str = "verifier") -> Verifier:

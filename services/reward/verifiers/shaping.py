@@ -88,4 +88,4 @@ def apply(terms: list[Term], verdict: Verdict, response: str, n_tokens: int | No
         value = term.value(response, n_tokens)
         reward += value
         details.append(f"{type(term).__name__.removesuffix('Term').lower()} {value:+g}")
-    return Verdict(reward, "; ".join(details))
+    return Verdict(reward, "; ".join(details), verdict.steps)   # shaping terms weigh the outcome, not the steps

@@ -53,7 +53,8 @@ def main() -> None:
                 reply = ["ok"]
             else:
                 verdict = verifiers[name].score(request[2], request[3])
-                reply = ["ok", float(verdict.reward), verdict.detail]
+                reply = ["ok", float(verdict.reward), verdict.detail,
+                         [[int(step.end), float(step.reward)] for step in verdict.steps]]
         except ValueError as exc:
             reply = ["invalid", str(exc)]
         except Exception as exc:  # noqa: BLE001 - the verifier library failed on this input: the parent scores 0

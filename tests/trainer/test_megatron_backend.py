@@ -1,8 +1,9 @@
-"""The megatron backend with 2 real megatron-core ranks (gloo on CPU) takes the steps the single-process torch
+"""The megatron backend with real megatron-core ranks (gloo on CPU) takes the steps the single-process torch
 backend takes on the same batches, at tp=2 (tensor parallel), at tp=1 x dp=2, on a tiny Qwen3-MoE at ep=2
 (expert parallel: each rank holds half the experts, the MoE layers gather both ranks' tokens) and at tp=2 x ep=2
 with whole experts (etp=1: attention split over both ranks, each rank two whole experts), and at pp=2 with
-uneven stages (megatron-core's 1F1B schedule, 1 + 2 of 3 layers, the tied embedding on both stages): the same
+uneven stages (megatron-core's 1F1B schedule, 1 + 2 of 3 layers, the tied embedding on both stages), alone and on
+four ranks with tensor parallelism (tp=2 x pp=2) or expert parallelism (ep=2 x pp=2) inside the stages: the same
 losses, gradient norms and final weights, and a checkpoint resumed inside the group retakes its step exactly."""
 
 from __future__ import annotations
@@ -43,18 +44,19 @@ def moe_dir(tmp_path_factory) -> str:
     return make_model_dir(tmp_path_factory.mktemp("tiny-moe"), layers=2, kv_heads=2, experts=4)
 
 
-def config(model_dir: str, sizes: dict[str, int], run_dir: str) -> TrainerConfig:
+def config(model_dir: str, sizes: dict[str, int], run_dir: str, ranks: int = RANKS) -> TrainerConfig:
     return TrainerConfig(model_path=model_dir, algo="grpo", max_new_tokens=NEW, wx_address="", optim=OPTIM,
-                         backend="megatron", ranks=RANKS, megatron=MegatronConfig(**sizes), run_dir=run_dir)
+                         backend="megatron", ranks=ranks, megatron=MegatronConfig(**sizes), run_dir=run_dir)
 
 
-def rank_main(rank: int, store: str, model_dir: str, sizes: dict[str, int], batches_file: str, out_file: str) -> None:
+def rank_main(rank: int, world: int, store: str, model_dir: str, sizes: dict[str, int], batches_file: str,
+              out_file: str) -> None:
     """One rank: train STEPS batches, checkpoint before the last, resume from it and retake it."""
     from services.trainer.engine import build_engine
 
     torch.set_num_threads(1)
-    join_cpu_group(rank, RANKS, store)
-    engine = build_engine(config(model_dir, sizes, f"{out_file}.run"))
+    join_cpu_group(rank, world, store)
+    engine = build_engine(config(model_dir, sizes, f"{out_file}.run", world))
     out = train_checkpoint_retake(engine, torch.load(batches_file, weights_only=False), rank, f"{out_file}.ckpt")
     torch.save({**out, "trainable": engine.trainable_parameters()}, f"{out_file}.{rank}")
     leave_cpu_group()
@@ -64,11 +66,15 @@ def close(a: float, b: float, rel: float = 1e-4, abs_: float = 1e-6) -> bool:
     return abs(a - b) <= max(rel * max(abs(a), abs(b)), abs_)
 
 
-@pytest.mark.parametrize("sizes, model", [
-    ({"tp": 2}, "model_dir"), ({"tp": 1}, "model_dir"), ({"ep": 2}, "moe_dir"),
-    ({"tp": 2, "ep": 2, "etp": 1}, "moe_dir"), ({"pp": 2, "num_layers_in_first_pipeline_stage": 1}, "deep_dir")],
-    ids=["tp=2", "tp=1,dp=2", "moe:ep=2,dp=2", "moe:tp=2,ep=2,etp=1", "pp=2:first=1,last=2"])
-def test_two_megatron_ranks_take_the_single_process_steps(request, tmp_path, sizes, model):
+@pytest.mark.parametrize("sizes, model, world", [
+    ({"tp": 2}, "model_dir", 2), ({"tp": 1}, "model_dir", 2), ({"ep": 2}, "moe_dir", 2),
+    ({"tp": 2, "ep": 2, "etp": 1}, "moe_dir", 2), ({"pp": 2, "num_layers_in_first_pipeline_stage": 1}, "deep_dir", 2),
+    # four ranks on two cores: pipeline stages combined with tensor and with expert parallelism
+    ({"tp": 2, "pp": 2, "num_layers_in_first_pipeline_stage": 1}, "deep_dir", 4),
+    ({"ep": 2, "pp": 2}, "moe_dir", 4)],
+    ids=["tp=2", "tp=1,dp=2", "moe:ep=2,dp=2", "moe:tp=2,ep=2,etp=1", "pp=2:first=1,last=2",
+         "tp=2,pp=2:first=1", "moe:ep=2,pp=2,dp=2"])
+def test_megatron_ranks_take_the_single_process_steps(request, tmp_path, sizes, model, world):
     model_dir = request.getfixturevalue(model)
     moe = model == "moe_dir"
     torch.manual_seed(0)
@@ -78,17 +84,18 @@ def test_two_megatron_ranks_take_the_single_process_steps(request, tmp_path, siz
     initial = {name: t.detach().clone() for name, t in single.weights().items()}
     expected = [single.step(b, v) for v, b in enumerate(batches)]
     out = str(tmp_path / "out")
-    codes = run_spawned(rank_main, [(r, str(tmp_path / "store"), model_dir, sizes, str(tmp_path / "batches.pt"), out)
-                                    for r in range(RANKS)], deadline_s=DEADLINE)
-    assert codes == [0] * RANKS, f"rank exit codes {codes} (negative: killed at the {DEADLINE}s deadline)"
-    ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(RANKS)]
+    codes = run_spawned(rank_main, [(r, world, str(tmp_path / "store"), model_dir, sizes, str(tmp_path / "batches.pt"),
+                                     out) for r in range(world)], deadline_s=DEADLINE)
+    assert codes == [0] * world, f"rank exit codes {codes} (negative: killed at the {DEADLINE}s deadline)"
+    ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
 
     got = ranks[0]["metrics"]
     for step, (want, have) in enumerate(zip(expected, got, strict=True)):
         for key in ("loss", "grad_norm", "entropy", "approx_kl", "advantage_abs_mean"):
             assert close(want[key], have[key]), f"step {step} {key}: torch {want[key]} vs megatron {have[key]}"
-    assert [m["loss"] for m in ranks[1]["metrics"]] == [m["loss"] for m in got]
-    assert ranks[1]["weights"] == {}  # only rank 0 gathers full weights
+    for other in ranks[1:]:
+        assert [m["loss"] for m in other["metrics"]] == [m["loss"] for m in got]
+        assert other["weights"] == {}  # only rank 0 gathers full weights
     assert ranks[0]["trainable"] == single.trainable_parameters()  # rank 0 reports the whole model's
     weights = single.weights()
     assert set(ranks[0]["weights"]) == set(weights)

@@ -1,7 +1,7 @@
-"""Each megatron rank a sender (``shard_sync``): two ranks of the megatron backend — tensor parallel on the tiny
+"""Each megatron rank a sender (``shard_sync``): the ranks of the megatron backend — tensor parallel on the tiny
 Qwen3, expert parallel on the tiny Qwen3-MoE (beside data parallel, or beside tensor parallel with whole experts),
-two uneven pipeline stages (1 + 3 layers) on the tiny Qwen3 — after a training step serve their own live shards to
-a real weight-exchange service, and a receiver holding the Hugging Face layout (fused experts, for the MoE) gets
+two uneven pipeline stages (1 + 3 layers) on the tiny Qwen3, alone and (four ranks) each split over two tensor
+parallel ranks — after a training step serve their own live shards to a real weight-exchange service, and a receiver holding the Hugging Face layout (fused experts, for the MoE) gets
 exactly the weights the group trained — each byte once, pulled from the rank that holds it."""
 
 from __future__ import annotations
@@ -19,11 +19,13 @@ from tests.weight_exchange.tiny import VOCAB
 
 pytest.importorskip("megatron.core")
 
-RANKS, DEADLINE, VERSION = 2, 300.0, 1
+DEADLINE, VERSION = 300.0, 1
 
-
-CASES = {"tp=2": ({"tp": 2}, 0), "moe:ep=2,dp=2": ({"ep": 2}, 4), "moe:tp=2,ep=2,etp=1": ({"tp": 2, "ep": 2, "etp": 1}, 4),
-         "pp=2:first=1": ({"pp": 2, "num_layers_in_first_pipeline_stage": 1}, 0)}
+# parallel sizes, MoE experts, ranks
+CASES = {"tp=2": ({"tp": 2}, 0, 2), "moe:ep=2,dp=2": ({"ep": 2}, 4, 2),
+         "moe:tp=2,ep=2,etp=1": ({"tp": 2, "ep": 2, "etp": 1}, 4, 2),
+         "pp=2:first=1": ({"pp": 2, "num_layers_in_first_pipeline_stage": 1}, 0, 2),
+         "tp=2,pp=2:first=1": ({"tp": 2, "pp": 2, "num_layers_in_first_pipeline_stage": 1}, 0, 4)}
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -32,13 +34,13 @@ def case(request, tmp_path_factory):
     tiny Qwen3, or its Qwen3-MoE with 4 experts), the trainer's at other weights."""
     from services.trainer.models import TinyQwen3Config, build_tokenizer
 
-    sizes, experts = CASES[request.param]
+    sizes, experts, world = CASES[request.param]
     path = tmp_path_factory.mktemp("tiny-sync")
     torch.manual_seed(3)
     TinyQwen3Config(num_experts=experts).build(VOCAB).save_pretrained(path)
     build_tokenizer().save_pretrained(path)
     with sync_stack(tmp_path_factory.mktemp("sync"), "--experts", str(experts)) as stack:
-        yield sizes, str(path), stack
+        yield sizes, world, str(path), stack
 
 
 async def serve_and_sync(engine, rank: int, address: str) -> dict:
@@ -64,14 +66,14 @@ async def serve_and_sync(engine, rank: int, address: str) -> dict:
     return out
 
 
-def rank_main(rank: int, store: str, model_dir: str, sizes: dict[str, int], batch_file: str, address: str,
+def rank_main(rank: int, world: int, store: str, model_dir: str, sizes: dict[str, int], batch_file: str, address: str,
               out_file: str) -> None:
     from services.trainer.engine import build_engine
 
     torch.set_num_threads(1)
-    join_cpu_group(rank, RANKS, store)
+    join_cpu_group(rank, world, store)
     engine = build_engine(TrainerConfig(model_path=model_dir, algo="grpo", max_new_tokens=NEW, wx_address="",
-                                        backend="megatron", ranks=RANKS, megatron=MegatronConfig(**sizes),
+                                        backend="megatron", ranks=world, megatron=MegatronConfig(**sizes),
                                         shard_sync=True))
     before = {name: t.detach().clone() for name, t in engine.weights().items()}
     engine.step(torch.load(batch_file, weights_only=False), 0)
@@ -84,15 +86,15 @@ def rank_main(rank: int, store: str, model_dir: str, sizes: dict[str, int], batc
     leave_cpu_group()
 
 
-def test_two_megatron_ranks_each_send_their_own_shards_into_the_receiver(case, tmp_path):
-    sizes, model_dir, stack = case
+def test_megatron_ranks_each_send_their_own_shards_into_the_receiver(case, tmp_path):
+    sizes, world, model_dir, stack = case
     single = engine_for(model_dir, "grpo")
     torch.save(make_batch(single.model, seed=0, version=0), tmp_path / "batch.pt")
     out = str(tmp_path / "out")
-    codes = run_spawned(rank_main, [(r, str(tmp_path / "store"), model_dir, sizes, str(tmp_path / "batch.pt"),
-                                     stack["address"], out) for r in range(RANKS)], deadline_s=DEADLINE)
-    assert codes == [0] * RANKS, f"rank exit codes {codes} (negative: killed at the {DEADLINE}s deadline)"
-    rank0, rank1 = (torch.load(f"{out}.{r}", weights_only=False) for r in range(RANKS))
+    codes = run_spawned(rank_main, [(r, world, str(tmp_path / "store"), model_dir, sizes, str(tmp_path / "batch.pt"),
+                                     stack["address"], out) for r in range(world)], deadline_s=DEADLINE)
+    assert codes == [0] * world, f"rank exit codes {codes} (negative: killed at the {DEADLINE}s deadline)"
+    rank0, *others = (torch.load(f"{out}.{r}", weights_only=False) for r in range(world))
     trained = rank0["weights"]   # rank 0's gathered copy of what the group trained
     got = torch.load(stack["out"] / f"v{VERSION}.pt")
     assert got.keys() == trained.keys()
@@ -102,6 +104,7 @@ def test_two_megatron_ranks_each_send_their_own_shards_into_the_receiver(case, t
     assert any(not torch.equal(trained[n], initial[n].detach()) for n in trained)  # the step moved the weights
     full = sum(t.numel() * t.element_size() for t in trained.values())
     assert rank0["num_receivers"] == 1 and rank0["bytes_moved"] == full  # every byte once: the minimum
-    assert rank0["local_bytes"] < full  # rank 0 alone does not hold the model: rank 1's shards came from rank 1
+    assert rank0["local_bytes"] < full  # rank 0 alone does not hold the model: the others' shards came from them
     assert rank0["stale"]  # the step did not gather: the receiver's bytes came from the ranks' own shards
-    assert rank1["weights"] == {} and "bytes_moved" not in rank1  # rank 1 gathers nothing and asks for no sync
+    for other in others:   # the other ranks gather nothing and ask for no sync
+        assert other["weights"] == {} and "bytes_moved" not in other

@@ -122,7 +122,10 @@ class TrainerConfig(ServiceConfig):
         if self.max_new_tokens < 1:
             raise FieldError("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         check_device(self.device)
-        self.build_algorithm()  # an unknown preset or setting stops start-up here
+        algo = self.build_algorithm()  # an unknown preset or setting stops start-up here
+        if algo.config.distill_coef > 0 and not self.reference.model_path:
+            raise FieldError("reference.model_path", f"{self.algo!r} distils from a teacher: set its checkpoint here "
+                             "(the default, the policy's own start, teaches nothing)")
         self.check_backend()
 
     def check_backend(self) -> None:

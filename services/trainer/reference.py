@@ -1,6 +1,6 @@
-"""The frozen reference policy for KL (reward penalty or loss term) and DPO: the initial checkpoint,
-never trained. With LoRA and no separate path it is the policy with its adapters switched off, so it
-costs no second copy of the weights."""
+"""The frozen reference policy for KL (reward penalty or loss term), DPO and distillation (the teacher): the
+initial checkpoint or the one `model_path` names, never trained. With LoRA and no separate path it is the policy
+with its adapters switched off, so it costs no second copy of the weights."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import dataclasses
 
 import torch
 
+from services.common.errors import FieldError
 from services.trainer.batching import PackedBatch
 from services.trainer.forward import frozen_logp
 from services.trainer.lora import is_lora
@@ -25,6 +26,19 @@ class ReferenceConfig:
 
         model = AutoModelForCausalLM.from_pretrained(self.model_path or default_path, dtype=torch.float32)
         return Reference(model.eval().requires_grad_(False))
+
+
+def check_teacher_tokenizer(policy_tokenizer, teacher_path: str) -> None:
+    """Distillation compares the teacher's and the student's log-prob of each sampled token id: both must read ids
+    as the same tokens. ValueError naming reference.model_path otherwise."""
+    from transformers import AutoTokenizer
+
+    teacher = AutoTokenizer.from_pretrained(teacher_path)
+    mine, theirs = policy_tokenizer.get_vocab(), teacher.get_vocab()
+    if mine != theirs:
+        differ = sorted(set(mine.items()) ^ set(theirs.items()), key=str)[:3]
+        raise FieldError("reference.model_path", f"the teacher's tokenizer ({len(theirs)} tokens) is not the "
+                         f"policy's ({len(mine)}): e.g. {differ}; distillation needs one tokenizer")
 
 
 class Reference:

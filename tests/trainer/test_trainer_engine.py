@@ -62,9 +62,29 @@ def model_dir(tmp_path_factory) -> str:
     return make_model_dir(tmp_path_factory.mktemp("tiny"))
 
 
+def make_teacher_dir(path, model_dir: str, *, seed: int = 1) -> str:
+    """The model of `model_dir` with other weights (a teacher for distillation), the same tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.5 * p.std().clamp(min=0.02))
+    model.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory, model_dir) -> str:
+    return make_teacher_dir(tmp_path_factory.mktemp("teacher"), model_dir)
+
+
 @pytest.mark.parametrize("name", list(PRESETS))
-def test_every_preset_runs_steps_with_finite_loss(name, model_dir):
-    engine = engine_for(model_dir, name)
+def test_every_preset_runs_steps_with_finite_loss(name, model_dir, teacher_dir):
+    extra = {"reference": ReferenceConfig(model_path=teacher_dir)} if name == "distill" else {}
+    engine = engine_for(model_dir, name, **extra)
     before = {k: v.detach().clone() for k, v in engine.weights().items()}
     for version in range(2):
         metrics = engine.step(make_batch(engine.model, seed=version, version=version), version)
@@ -74,7 +94,7 @@ def test_every_preset_runs_steps_with_finite_loss(name, model_dir):
             == GROUPS * GROUP
     assert any(not torch.equal(before[k], v) for k, v in engine.weights().items()), "the policy did not move"
     assert (engine.critic is not None) == (name == "ppo")
-    assert (engine.reference is not None) == (name in ("reinforce_pp", "dpo"))
+    assert (engine.reference is not None) == (name in ("reinforce_pp", "dpo", "distill"))
     if name == "dapo":
         assert metrics["groups_dropped"] == 1 and metrics["samples_kept"] == (GROUPS - 1) * GROUP
     if name == "dpo":

@@ -44,7 +44,8 @@ class Algorithm:
 
     @property
     def needs_reference(self) -> bool:
-        return self.config.kl_ctl > 0 or self.config.kl_loss_coef > 0 or self.config.objective == "dpo"
+        c = self.config
+        return c.kl_ctl > 0 or c.kl_loss_coef > 0 or c.distill_coef > 0 or c.objective == "dpo"
 
     @property
     def needs_prox_logp(self) -> bool:
@@ -176,6 +177,10 @@ class Algorithm:
         adv, returns = gae(tok, values if c.use_critic else None, mask, gamma=c.discount, lam=c.gae_lambda)
         if c.adv_norm:
             adv = whiten(adv, mask, unbiased=c.std_unbiased, eps=c.norm_eps)
+        if c.distill_coef > 0:
+            if old_logp is None or ref_logp is None:
+                raise ValueError("distill_coef > 0 needs old_logp and ref_logp (the teacher) for the advantages")
+            adv = adv + torch.where(mask, c.distill_coef * (ref_logp - old_logp).detach(), 0.0)
         return AdvantageResult(adv, returns, shaped, kl)
 
     def advantages(

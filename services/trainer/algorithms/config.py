@@ -49,6 +49,10 @@ class AlgorithmConfig:
     kl_estimator: str = "k1"
     kl_loss_coef: float = 0.0  # KL(pi_theta || ref) added to the loss instead (GRPO paper)
     kl_loss_estimator: str = "k3"
+    # on-policy distillation: each token's advantage gains distill_coef * (log pi_teacher - log pi_student) of its
+    # own sampled token (reverse KL, per token, not summed forward); the teacher is the reference model
+    # (trainer.reference.model_path), which must share the policy's tokenizer
+    distill_coef: float = 0.0
 
     # Advantages
     reward_level: str = "outcome"  # outcome (one reward per sequence) | process (per-step rewards, see algorithm.py)
@@ -114,7 +118,8 @@ class AlgorithmConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"algorithm setting {name}={value!r} must be > 0")
-        for name in ("eps_clip", "eps_clip_higher", "behav_imp_weight_floor", "kl_ctl", "kl_loss_coef", "entropy_coef"):
+        for name in ("eps_clip", "eps_clip_higher", "behav_imp_weight_floor", "kl_ctl", "kl_loss_coef", "entropy_coef",
+                     "distill_coef"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"algorithm setting {name}={value!r} must be >= 0")

@@ -103,6 +103,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         "behav_imp_weight_mode": "mask",
         "behav_imp_weight_level": "token",
     },
+    "distill": {
+        "objective": "ppo",
+        **_GROUP,
+        "reward_scaling": 0.0,   # the verifier's reward off; > 0 mixes its group-normalised advantage in
+        "distill_coef": 1.0,
+        "eps_clip": 0.2,
+        **_DECOUPLED,
+        "loss_agg": "token_mean",
+    },
     "dpo": {"objective": "dpo", "dpo_beta": 0.1, "dpo_loss_type": "sigmoid"},
     "sft": {"objective": "sft", "loss_agg": "token_mean"},
 }
@@ -122,6 +131,7 @@ DESCRIPTIONS: dict[str, str] = {
     "m2po": "M2PO: second-moment token masking, no ratio clip",
     "icepop": "IcePop: tokens whose train/infer ratio leaves [0.5, 5] are masked (two-sided), PPO clip",
     "kpop": "KPop: tokens whose binary KL between train and infer probability exceeds 0.1 are masked, PPO clip",
+    "distill": "on-policy distillation: each sampled token's advantage is log pi_teacher - log pi_student",
     "dpo": "DPO: offline preference pairs against a frozen reference",
     "sft": "SFT: negative log-likelihood of the trained tokens",
 }

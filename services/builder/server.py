@@ -8,6 +8,7 @@ import contextlib
 import itertools
 import pathlib
 import time
+from collections.abc import Callable
 
 import prometheus_client
 from transformers import AutoTokenizer
@@ -20,12 +21,13 @@ from services.builder.datasets import shuffled_epochs
 from services.builder.evaluation import EvalRound, EvalTracker
 from services.builder.grouping import Group, GroupAssembler, assemble_batch, check_rewards, reward_varies
 from services.builder.ledger import NO_VARIANCE, Batched, Dropped, IssuedEval, Ledger, merge_batches
-from services.builder.tasks import make_work
+from services.builder.tasks import make_pair, make_work
 from services.common import grading
 from services.common.batches import BatchConflict, prune_blobs, publish_batch, published_batches
 from services.common.bus import (
     CONSUMERS,
     SUBJECT_PROMPTS,
+    SUBJECT_TRAJ_SCORED,
     SUBJECT_VERSIONS,
     TRANSIENT,
     Bus,
@@ -37,6 +39,7 @@ from services.common.bus import (
 )
 from services.common.contracts import builder_pb2, builder_pb2_grpc, common_pb2, data_pb2
 from services.common.deadletters import DeadLetterWatch
+from services.common.errors import FieldError
 from services.common.ids import now
 from services.common.logging import get_logger
 from services.common.rpc import Servicer
@@ -66,11 +69,14 @@ GATEWAY_LIMIT = prometheus_client.Gauge("meshrl_builder_online_limit_groups",
 
 
 class Builder:
-    def __init__(self, config: BuilderConfig, bus: Bus, encode, stop_token_ids: list[int]) -> None:
-        """``encode``: a task's prompt token ids (``config.dataset.encoder(tokenizer)``)."""
+    def __init__(self, config: BuilderConfig, bus: Bus, encode, stop_token_ids: list[int],
+                 encode_reply: Callable[[str], list[int]] | None = None) -> None:
+        """``encode``: a task's prompt token ids (``config.dataset.encoder(tokenizer)``); ``encode_reply``: a
+        reply's text as token ids (preference datasets: the tokenizer's, no special tokens added)."""
         self.config = config
         self.bus = bus
         self.encode = encode
+        self.encode_reply = encode_reply
         self.log = get_logger()
         self.train_sampling = config.sampling.to_proto(stop_token_ids)
         self.eval_sampling = data_pb2.SamplingParams(temperature=0.0, top_p=1.0,
@@ -108,7 +114,8 @@ class Builder:
         self.deployed_version = 0
         self.batches_published = 0
         self.issued = 0
-        self.unpublished: data_pb2.PromptWork | None = None  # counted as issued, its publish not confirmed
+        # counted as issued, its publish not confirmed: prompt work, or a preference row's scored pair
+        self.unpublished: data_pb2.PromptWork | list[data_pb2.Trajectory] | None = None
         self.received = 0
         self.dropped_stale = 0
         self.reward_sum = 0.0
@@ -200,21 +207,30 @@ class Builder:
         ISSUED.inc()
         if self.budget.refills > refills:
             EXTRA_PROMPTS.inc()
-        self.in_flight_since[work.group_id] = time.monotonic()
+        self.in_flight_since[work[0].group_id if isinstance(work, list) else work.group_id] = time.monotonic()
         await self._publish_work(work)
         return True
 
-    def _train_work(self, task, n: int, version: int) -> data_pb2.PromptWork:
+    def _train_work(self, task, n: int, version: int) -> data_pb2.PromptWork | list[data_pb2.Trajectory]:
         group_id = f"g-{n}"  # the n-th task of the seeded stream: re-issuing after a crash is idempotent
+        if task.is_pair:      # a preference row: its pair goes straight to the scored trajectories, as one group
+            if self.encode_reply is None:
+                raise FieldError("dataset.preference", "this builder was started without a reply encoder")
+            return make_pair(task, group_id=group_id, encode=self.encode, encode_reply=self.encode_reply,
+                             sampling=self.train_sampling, issued_at=now())
         return make_work(task, work_id=group_id, group_id=group_id, group_size=self.config.group_size,
                          encode=self.encode, sampling=self.train_sampling, version=version, split="train",
                          issued_at=now())
 
-    async def _publish_work(self, work: data_pb2.PromptWork) -> None:
+    async def _publish_work(self, work: data_pb2.PromptWork | list[data_pb2.Trajectory]) -> None:
         """Publish a counted work; one that fails stays counted and is published first by the next issue_once
         (or by a restarted builder's recovery: this failure ends the issue loop, and with it the builder)."""
         self.unpublished = work
-        await self.bus.publish(SUBJECT_PROMPTS, work, work.work_id)
+        if isinstance(work, list):   # the ids dedupe a republished pair
+            for traj in work:
+                await self.bus.publish(SUBJECT_TRAJ_SCORED, traj, traj.trajectory_id)
+        else:
+            await self.bus.publish(SUBJECT_PROMPTS, work, work.work_id)
         self.unpublished = None
 
     async def issue_eval(self, version: int, *, final: bool = False) -> EvalRound:
@@ -683,7 +699,8 @@ async def serve(config: BuilderConfig, stop: asyncio.Event) -> None:
         # a second builder waits here, as a standby, until the active one's lease is released or lapses
         if await runtime.hold_lease(bus, "builder") is None:
             return
-        builder = Builder(config, bus, encode, [tokenizer.eos_token_id])
+        builder = Builder(config, bus, encode, [tokenizer.eos_token_id],
+                          encode_reply=lambda text: tokenizer.encode(text, add_special_tokens=False))
         rpc = await runtime.serve_grpc([Servicer(
             builder_pb2_grpc.add_BuilderServiceServicer_to_server, BuilderServicer(builder),
             builder_pb2.DESCRIPTOR.services_by_name["BuilderService"].full_name)])

@@ -1,4 +1,4 @@
-"""Turning dataset tasks into prompt work. No I/O.
+"""Turning dataset tasks into prompt work (and preference rows into scored pairs). No I/O.
 
 ``PromptWork.grading`` (the ``Grading`` message in ``proto/meshrl/v1/data.proto``) is what the reward service
 grades with: the reference answer, the prompt as text, the verifier (a row's own overrides the dataset's), its
@@ -48,3 +48,24 @@ def make_work(task: Task, *, work_id: str, group_id: str, group_size: int, encod
         work_id=work_id, task_id=task.task_id, group_id=group_id, prompt_ids=encode(task),
         group_size=group_size, sampling=sampling, issued_version=version, issued_at=issued_at,
         grading=grading_of(task, eval_round=eval_round), split=split)
+
+
+def make_pair(task: Task, *, group_id: str, encode: Callable[[Task], list[int]],
+              encode_reply: Callable[[str], list[int]], sampling: data_pb2.SamplingParams,
+              issued_at: float) -> list[data_pb2.Trajectory]:
+    """A preference row as the two trajectories of one group, already scored: the chosen reply (reward 1) and the
+    rejected one (reward 0), each ending with the first stop token. Nothing sampled them: their tokens carry
+    version -1 (never stale) and behaviour log-prob 0, and they are trained on (loss mask 1) by a pairwise preset,
+    which takes the higher-reward member of a group over the lower."""
+    assert task.chosen is not None and task.rejected is not None, task.task_id
+    prompt, stop = encode(task), list(sampling.stop_token_ids[:1])
+    out = []
+    for i, (reply, reward) in enumerate(((task.chosen, 1.0), (task.rejected, 0.0))):
+        ids = encode_reply(reply) + stop
+        out.append(data_pb2.Trajectory(
+            trajectory_id=f"{group_id}-{i}", group_id=group_id, task_id=task.task_id, work_id=group_id, group_size=2,
+            prompt_ids=prompt, completion_ids=ids, behavior_logprobs=[0.0] * len(ids), versions=[-1] * len(ids),
+            loss_mask=[1] * len(ids), reward=reward, scored=True, finish_reason="stop", created_at=issued_at,
+            generated_at=issued_at, scored_at=issued_at, source="workflow", split="train", verifier="preference",
+            sampling=sampling, grading=grading_of(task)))
+    return out

@@ -228,3 +228,13 @@ def test_every_shipped_run_file_derives_configs_the_services_load_back_unchanged
         file.write_text(yaml.safe_dump(values))
         loaded = load_config(config_class(service), service, path=file, env={})
         assert config_values(loaded) == values, service
+
+
+def test_a_preference_dataset_needs_a_pairwise_preset(stack, tmp_path):
+    rows = tmp_path / "prefs.jsonl"
+    rows.write_text('{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n')
+    dataset = {"train": str(rows), "eval": str(rows), "preference": True}
+    with pytest.raises(ValueError, match="^services.trainer.algo: the dataset's rows are preference pairs"):
+        config(stack, "builder", {"dataset": dataset})
+    assert config(stack, "builder", {"dataset": dataset, "services": {"trainer": {"algo": "dpo"}}})["dataset"][
+        "preference"] is True

@@ -8,6 +8,7 @@ is set, else ``arithmetic``. Relative paths are read from the builder's working 
 
 File rows give ``prompt_field`` (a string) or ``messages_field`` (a chat), ``answer_field``, and optionally
 ``verifier_field`` (overrides ``verifier`` for that row) and ``metadata_field`` (an object, sent as ``row``).
+With ``preference``, train rows give ``chosen_field`` and ``rejected_field`` (two replies) instead of an answer.
 """
 
 from __future__ import annotations
@@ -69,6 +70,12 @@ class DatasetConfig:
     system_prompt: str = ""
     few_shot: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # [{prompt: ..., answer: ...}]
     max_prompt_tokens: int = 0    # longer rendered prompts are dropped (and counted); 0: no limit
+    # train rows are preference pairs (a prompt, chosen_field and rejected_field replies): each is published as one
+    # pre-scored pair (chosen 1, rejected 0) for a pairwise preset (dpo), nothing generated; eval rows stay
+    # prompts with answers (an eval file), generated and graded as usual
+    preference: bool = False
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
 
     def __post_init__(self) -> None:
         if self.source and self.source not in SOURCES:
@@ -102,6 +109,11 @@ class DatasetConfig:
             raise FieldError("train", "the arithmetic source generates its splits; set source for a file")
         if kind in files.FILE_SOURCES and not self.train:
             raise FieldError("train", f"required for source {kind}")
+        if self.preference and kind not in files.FILE_SOURCES:
+            raise FieldError("preference", f"needs a file of preference rows (jsonl, parquet, disk), not source {kind}")
+        if self.preference and self.eval_fraction:
+            raise FieldError("eval_fraction", "a preference dataset's held-out rows have no answer to evaluate: give "
+                             "an eval file of prompts with answers")
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any], *, base_dir: str | pathlib.Path | None = None) -> DatasetConfig:
@@ -177,12 +189,13 @@ class DatasetConfig:
                   "verifier": self.verifier_field, "metadata": self.metadata_field}
         grading = self.grading()
 
-        def read(path: str, split: str, prefix: str) -> list[Task]:
+        def read(path: str, split: str, prefix: str, pairs: bool = False) -> list[Task]:
             source = self.source or files.infer_source(path)
-            return to_tasks(files.read_rows(source, path, split=split), prefix=prefix, fields=fields, grading=grading)
+            names = {**fields, "chosen": self.chosen_field, "rejected": self.rejected_field} if pairs else fields
+            return to_tasks(files.read_rows(source, path, split=split), prefix=prefix, fields=names, grading=grading)
 
         stem = pathlib.Path(self.train).stem
-        train = read(self.train, self.train_split, f"train/{stem}")
+        train = read(self.train, self.train_split, f"train/{stem}", pairs=self.preference)
         if self.eval:
             return Dataset(train, read(self.eval, self.eval_split, f"eval/{pathlib.Path(self.eval).stem}"))
         if self.eval_fraction:

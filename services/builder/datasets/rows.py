@@ -53,8 +53,9 @@ def _messages(value: Any, where: str, field: str) -> list[dict[str, Any]]:
 
 
 def to_task(row: Any, *, where: str, task_id: str, fields: Mapping[str, str], grading: Mapping[str, Any]) -> Task:
-    """One row as a task. ``fields`` maps prompt / messages / answer / verifier / metadata to column names;
-    ``grading`` holds the dataset's defaults (verifier, its options, shaping, extract)."""
+    """One row as a task. ``fields`` maps prompt / messages / answer / verifier / metadata (and, for a preference
+    dataset, chosen / rejected; the answer is then optional) to column names; ``grading`` holds the dataset's
+    defaults (verifier, its options, shaping, extract)."""
     if not isinstance(row, Mapping):
         raise FieldError(where, f"a row must be a JSON object, got {type(row).__name__}")
     prompt, messages = row.get(fields["prompt"]), row.get(fields["messages"])
@@ -75,9 +76,20 @@ def to_task(row: Any, *, where: str, task_id: str, fields: Mapping[str, str], gr
         if not isinstance(extra, Mapping):
             raise FieldError(where, f"field {fields['metadata']!r} must be an object")
         metadata["row"] = plain(extra)
-    return Task(task_id=task_id, prompt=prompt or "", answer=_answer(row.get(fields["answer"]), where, fields["answer"]),
+    pair: dict[str, str] = {}
+    if "chosen" in fields:   # a preference dataset: every row holds a preferred and a dispreferred reply
+        for key in ("chosen", "rejected"):
+            value = row.get(fields[key])
+            if not isinstance(value, str) or not value:
+                raise FieldError(where, f"field {fields[key]!r} must be a non-empty string (a preference row)")
+            pair[key] = value
+        if pair["chosen"] == pair["rejected"]:
+            raise FieldError(where, f"fields {fields['chosen']!r} and {fields['rejected']!r} are the same reply")
+    answer = row.get(fields["answer"])
+    answer = "" if pair and answer is None else _answer(answer, where, fields["answer"])
+    return Task(task_id=task_id, prompt=prompt or "", answer=answer,
                 messages=None if messages is None else _messages(messages, where, fields["messages"]),
-                metadata=metadata)
+                metadata=metadata, **pair)
 
 
 def to_tasks(rows: Iterable[tuple[str, Any]], *, prefix: str, fields: Mapping[str, str],

@@ -21,6 +21,14 @@ class Task:
     answer: str
     messages: list[dict[str, Any]] | None = dataclasses.field(default=None, hash=False)
     metadata: dict[str, Any] = dataclasses.field(default_factory=lambda: {"verifier": "math"}, hash=False)
+    # a preference row: the preferred and the dispreferred reply to the prompt (the builder publishes them as one
+    # pre-scored pair for DPO; nothing is generated for it)
+    chosen: str | None = None
+    rejected: str | None = None
+
+    @property
+    def is_pair(self) -> bool:
+        return self.chosen is not None
 
     @property
     def question(self) -> str:

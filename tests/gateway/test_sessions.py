@@ -163,3 +163,27 @@ def test_start_session_idempotency_key(scripted_gw):
     a = scripted_gw.admin("POST", "/rl/start_session", json={"task_id": "t"}, headers=headers).json()
     b = scripted_gw.admin("POST", "/rl/start_session", json={"task_id": "t"}, headers=headers).json()
     assert a == b
+
+
+def test_a_persons_preference_between_two_episodes_rewards_and_ends_both(scripted_gw):
+    g = scripted_gw.start_session(task_id="label-me", group_size=2)
+    (a, b) = g["sessions"]
+    for s in (a, b):
+        chat(scripted_gw, s["api_key"])
+    assert scripted_gw.session_post(a["api_key"], "/rl/set_preference",
+                                    {"chosen": b["session_id"], "rejected": a["session_id"]}).status_code == 401
+    other = scripted_gw.start_session(task_id="another")
+    chat(scripted_gw, other["api_key"])
+    for body, status, field in (
+            ({"chosen": b["session_id"], "rejected": other["session_id"]}, 400, "rejected"),
+            ({"chosen": b["session_id"], "rejected": b["session_id"]}, 400, "rejected"),
+            ({"chosen": "nope", "rejected": a["session_id"]}, 404, "chosen"),
+            ({"chosen": b["session_id"]}, 400, "rejected")):
+        r = scripted_gw.admin("POST", "/rl/set_preference", json=body)
+        assert r.status_code == status and field in r.text, (body, r.text)
+    r = scripted_gw.admin("POST", "/rl/set_preference", json={"chosen": b["session_id"], "rejected": a["session_id"]})
+    assert r.status_code == 200 and r.json()["group_id"] == g["group_id"]
+    (ta,), (tb,) = (published_for(scripted_gw, s["session_id"]) for s in (a, b))
+    assert (tb.reward, ta.reward) == (1.0, 0.0) and ta.group_id == tb.group_id   # a pair dpo takes b over a
+    again = scripted_gw.admin("POST", "/rl/set_preference", json={"chosen": a["session_id"], "rejected": b["session_id"]})
+    assert again.status_code == 409   # ended: the label stands

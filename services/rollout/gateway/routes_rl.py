@@ -1,5 +1,6 @@
-"""Session routes: /rl/start_session (admin key), /rl/set_reward and /rl/end_session (session key), status; the
-tools the reward service runs for agents (/rl/run_code) in graded.py."""
+"""Session routes: /rl/start_session (admin key), /rl/set_reward and /rl/end_session (session key),
+/rl/set_preference (admin key: a person's label between two episodes of a group), status; the tools the reward
+service runs for agents (/rl/run_code) in graded.py."""
 
 from __future__ import annotations
 
@@ -131,6 +132,36 @@ def add_rl_routes(app: Starlette, gw: Gateway) -> None:
         interaction_id = f.string(body, "interaction_id", default=None)
         return json_response(lifecycle.set_reward(session, reward, interaction_id, max_abs=cfg.max_abs_reward))
 
+    async def set_preference(request: Request) -> Response:
+        """A person's label between two episodes of one group (admin key: a labelling tool, never an agent):
+        `chosen` gets reward 1 and `rejected` 0, on their last turns, and both end (`end`: true, the default), so
+        the pair is exported for a pairwise preset (dpo) to take the one over the other."""
+        require_admin(request)
+        body = await body_of(request)
+        f.check_keys(body, frozenset({"chosen", "rejected", "end"}), frozenset(), strict=True)
+        pair = []
+        for name in ("chosen", "rejected"):
+            session_id = f.string(body, name, allow_empty=False)
+            session = gw.sessions.by_id(session_id)
+            if session is None:
+                raise ApiError(404, f"{name}: {session_id!r} is not a known session{GONE}", param=name)
+            pair.append(session)
+        chosen, rejected = pair
+        if chosen.id == rejected.id:
+            raise bad_request("rejected", "is the chosen session itself: a preference compares two episodes")
+        if chosen.group_id != rejected.group_id:
+            raise bad_request("rejected", f"session {rejected.id} is in group {rejected.group_id}, the chosen one in "
+                              f"{chosen.group_id}: a preference compares two episodes of one task (one group)")
+        for session in pair:      # both can still take a reward, before either is set
+            if not session.active or session.ending is not None:
+                raise ApiError(409, f"session {session.id} has ended; its reward can no longer change")
+        results = [lifecycle.set_reward(session, reward, None, max_abs=cfg.max_abs_reward)
+                   for session, reward in ((chosen, 1.0), (rejected, 0.0))]
+        if f.boolean(body, "end", default=True):
+            for session in pair:
+                await lifecycle.end_session(gw, session)
+        return json_response({"group_id": chosen.group_id, "chosen": results[0], "rejected": results[1]})
+
     async def end_session(request: Request) -> Response:
         session = identify(request)
         body = await body_of(request, allow_empty=True)
@@ -167,6 +198,7 @@ def add_rl_routes(app: Starlette, gw: Gateway) -> None:
     add_tool_routes(app, gw, identify, body_of)
     app.add_route("/rl/start_session", start_session, methods=["POST"])
     app.add_route("/rl/set_reward", set_reward, methods=["POST"])
+    app.add_route("/rl/set_preference", set_preference, methods=["POST"])
     app.add_route("/rl/end_session", end_session, methods=["POST"])
     app.add_route("/rl/status", status, methods=["GET"])
     app.add_route("/rl/sessions/{session_id}", session_info, methods=["GET"])

@@ -37,6 +37,8 @@ def judge_replies(seen: list[str]):
             return "At first glance SCORE: 3, but on reflection it is right.\nSCORE: 9"
         if "OVER" in prompt:
             return "Outstanding. SCORE: 15"
+        if "STEPWISE" in prompt:   # a step judge that skips step 3
+            return "STEP 1: 10\nThe second is wrong. Step 2: 0\nSTEP 4: 7.5\nSCORE: 6"
         return "The answer is right. SCORE: 8"
 
     return reply
@@ -108,6 +110,17 @@ def test_a_reply_without_a_score_gets_the_failure_reward(config):
     verdict = JudgeVerifier(config).score("NO-SCORE", TASK)
     assert verdict.reward == -0.5
     assert "no parsable score" in verdict.detail and "rather not" in verdict.detail
+
+
+def test_a_step_judge_scores_each_line_it_was_shown_numbered(gateway, config):
+    response = "STEPWISE 3 + 4 = 7\n7 * 2 = 15\n\n15 - 1 = 14\nso 14"
+    verdict = JudgeVerifier(config).score(response, {**TASK, "verifier_options": {"steps": True}})
+    assert "[1] STEPWISE 3 + 4 = 7\n[2] 7 * 2 = 15\n[3] 15 - 1 = 14\n[4] so 14" in gateway.seen[-1]
+    assert "STEP <k>: <n>" in gateway.seen[-1]              # the step rubric asks for them
+    ends = [len("STEPWISE 3 + 4 = 7"), len("STEPWISE 3 + 4 = 7\n7 * 2 = 15"), len(response)]
+    assert [(s.end, s.reward) for s in verdict.steps] == list(zip(ends, [1.0, 0.0, 0.75], strict=True))
+    assert verdict.reward == pytest.approx(0.6) and "1 of 4 steps unscored" in verdict.detail
+    assert JudgeVerifier(config).score("It is Paris.", TASK).steps == ()   # outcome only unless asked
 
 
 def test_task_options_override_the_rubric_and_model(gateway, config):

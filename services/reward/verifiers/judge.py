@@ -7,7 +7,9 @@ start-up by `configure()` (services/reward/server.py). The registry builds verif
 `configure()` still sees it); tests build `JudgeVerifier(config)` directly. With no judge configured (the default:
 `judge.base_url` empty) `check` refuses every task naming `llm_judge` with a ValueError naming `judge.base_url`.
 
-Per task, `grading.verifier_options` may override `rubric`, `model` and `max_tokens`. The rubric is a
+Per task, `grading.verifier_options` may override `rubric`, `model` and `max_tokens`, and set `steps: true`: the
+response's non-empty lines are then numbered steps in the prompt, and the judge's `STEP <k>: <n>` lines become
+process rewards (`Verdict.steps`, on the same scale) beside the outcome (a step the judge skipped has none). The rubric is a
 `str.format` template over `{question}` (`grading.question`, else `grading.prompt`, else `rg_entry.question`),
 `{answer}` (`grading.answer`, or "(none given)"), `{response}`, `{score_min}` and `{score_max}`.
 
@@ -33,7 +35,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from services.common.errors import FieldError
-from services.reward.verifiers.base import Verdict, parse_options
+from services.reward.verifiers.base import StepVerdict, Verdict, parse_options
 
 if TYPE_CHECKING:
     import openai  # imported when a judge first sends a request: the registry (and every worker) stays light
@@ -57,7 +59,25 @@ Response:
 Explain your judgement in a few sentences, then end with a line of the form "SCORE: <n>", where <n> is a number \
 from {score_min} (worst) to {score_max} (best)."""
 
+DEFAULT_STEP_RUBRIC = """\
+You are grading a worked response to a question step by step. Its steps are numbered [1], [2], ... Judge each \
+step's correctness on its own (given the steps before it), then the response as a whole (against the reference \
+answer when one is given).
+
+Question:
+{question}
+
+Reference answer:
+{answer}
+
+Response, one step per line:
+{response}
+
+For every step write a line "STEP <k>: <n>", then end with a line "SCORE: <n>" for the whole response; every <n> \
+is a number from {score_min} (worst) to {score_max} (best)."""
+
 _SCORE = re.compile(r"score\W{0,4}?[:=]\W{0,4}?(-?\d+(?:\.\d+)?)", re.I)
+_STEP_SCORE = re.compile(r"step\W{0,3}?(\d+)\W{0,4}?[:=]\W{0,4}?(-?\d+(?:\.\d+)?)", re.I)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -134,6 +154,9 @@ class JudgeOptions:
     rubric: str = ""
     model: str = ""
     max_tokens: int = 0
+    # score steps too: each non-empty line of the response a step, numbered for the judge, whose "STEP <k>: <n>"
+    # lines become process rewards (Verdict.steps) beside the outcome's "SCORE: <n>"
+    steps: bool = False
 
 
 def check_rubric(template: str, field: str) -> None:
@@ -167,6 +190,22 @@ def parse_score(reply: str) -> float | None:
     """The number of the last `SCORE: <n>` (any case; `**Score:** 7`, `score = 7/10` too), or None."""
     found = _SCORE.findall(reply or "")
     return float(found[-1]) if found else None
+
+
+def parse_step_scores(reply: str) -> dict[int, float]:
+    """Step number -> the number of its last `STEP <k>: <n>` line (any case)."""
+    return {int(k): float(n) for k, n in _STEP_SCORE.findall(reply or "")}
+
+
+def step_spans(response: str) -> list[tuple[str, int]]:
+    """The response's steps, its non-empty lines: (text, the offset where the line's text ends)."""
+    out, offset = [], 0
+    for line in response.splitlines(keepends=True):
+        text = line.rstrip("\r\n")
+        if text.strip():
+            out.append((text.strip(), offset + len(text)))
+        offset += len(line)
+    return out
 
 
 _configured = JudgeConfig()
@@ -219,7 +258,7 @@ class JudgeVerifier:
         check_rubric(options.rubric, f"{FIELD}.rubric")
         if options.max_tokens < 0:
             raise FieldError(f"{FIELD}.max_tokens", f"must be >= 0, got {options.max_tokens}")
-        if "question" in self._placeholders(options.rubric or config.rubric or DEFAULT_RUBRIC) and \
+        if "question" in self._placeholders(self._rubric(config, options)) and \
                 question_of(task) is None:
             raise FieldError("grading.question", "missing (the judge's rubric shows it; or grading.prompt)")
         return config, options
@@ -231,10 +270,17 @@ class JudgeVerifier:
     def check(self, task: Mapping[str, Any]) -> None:
         self._options(task)
 
+    @staticmethod
+    def _rubric(config: JudgeConfig, options: JudgeOptions) -> str:
+        """The task's rubric, else (judging steps) the step rubric, else the service's, else the default."""
+        return options.rubric or (DEFAULT_STEP_RUBRIC if options.steps else config.rubric or DEFAULT_RUBRIC)
+
     def prompt(self, response: str, task: Mapping[str, Any]) -> str:
         config, options = self._options(task)
         answer = task.get("answer")
-        return (options.rubric or config.rubric or DEFAULT_RUBRIC).format(
+        if options.steps:
+            response = "\n".join(f"[{k}] {text}" for k, (text, _) in enumerate(step_spans(response), 1))
+        return self._rubric(config, options).format(
             question=question_of(task) or "", answer="(none given)" if answer in (None, "") else str(answer),
             response=response, score_min=f"{config.score_min:g}", score_max=f"{config.score_max:g}")
 
@@ -273,19 +319,26 @@ class JudgeVerifier:
                                f"judge unreachable after {attempts} attempt{'s' * (attempts > 1)}: {_why(exc)}")
             except openai.OpenAIError as exc:  # 4xx and the like: a retry cannot fix it
                 return Verdict(config.failure_reward, f"judge refused (attempt {attempt + 1}): {_why(exc)}")
-            return self._verdict(config, reply)
+            return self._verdict(config, reply, step_spans(response) if options.steps else [])
         raise AssertionError("unreachable")  # the loop always returns
 
     @staticmethod
-    def _verdict(config: JudgeConfig, reply: Any) -> Verdict:
+    def _verdict(config: JudgeConfig, reply: Any, steps: list[tuple[str, int]]) -> Verdict:
         text = (reply.choices[0].message.content or "") if getattr(reply, "choices", None) else ""
         score = parse_score(text)
         if score is None:
             tail = " ".join(text.split())[-120:]
             return Verdict(config.failure_reward, f"judge reply has no parsable score (want 'SCORE: <n>'): {tail!r}")
-        clamped = min(max(score, config.score_min), config.score_max)
-        reward = (clamped - config.score_min) / (config.score_max - config.score_min)
-        return Verdict(reward, f"judge score {score:g} on [{config.score_min:g}, {config.score_max:g}]")
+
+        def reward(value: float) -> float:
+            clamped = min(max(value, config.score_min), config.score_max)
+            return (clamped - config.score_min) / (config.score_max - config.score_min)
+
+        scored = parse_step_scores(text)
+        found = tuple(StepVerdict(end, reward(scored[k])) for k, (_, end) in enumerate(steps, 1) if k in scored)
+        unscored = f"; {len(steps) - len(found)} of {len(steps)} steps unscored" if len(found) < len(steps) else ""
+        return Verdict(reward(score), f"judge score {score:g} on [{config.score_min:g}, {config.score_max:g}]"
+                       f"{unscored}", found)
 
 
 def _why(exc: Exception) -> str:

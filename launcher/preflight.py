@@ -41,6 +41,8 @@ def check_dataset(builder_config: Any) -> dict[str, int]:
         built = dataset.build(seed=builder_config.seed, train_size=0, eval_size=0)
         verifiers: dict[str, Any] = {}
         for task in (*built.train, *built.eval):
+            if task.is_pair:
+                continue    # a preference pair is never graded: it arrives scored
             name = task.metadata.get("verifier", "math")
             if name not in verifiers:
                 verifiers[name] = build_verifier(name, f"dataset.verifier (task {task.task_id})")

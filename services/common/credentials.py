@@ -172,7 +172,8 @@ def nats_permissions(identity: str) -> dict:
     sub = [f"{inbox_for(identity)}.>"]
     dlq = f"dlq.{identity}"
     if identity == "builder":
-        pub += ["prompts.>", "batches.>", "events.version", dlq, "$KV.meshrl_builder.>", "$O.BATCH_BLOBS.>",
+        # traj.scored: a preference dataset's pairs, scored by the builder itself (dataset.preference)
+        pub += ["prompts.>", "traj.scored", "batches.>", "events.version", dlq, "$KV.meshrl_builder.>", "$O.BATCH_BLOBS.>",
                 *(f"{JS}.STREAM.UPDATE.{s}" for s in streams), f"{JS}.STREAM.NAMES", f"{JS}.STREAM.MSG.GET.BATCHES",
                 f"{JS}.DIRECT.GET.BATCHES", f"{JS}.DIRECT.GET.BATCHES.>",
                 f"{JS}.STREAM.CREATE.{KV_STREAM}", f"{JS}.STREAM.CREATE.{OBJ_STREAM}",

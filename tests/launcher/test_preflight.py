@@ -53,6 +53,17 @@ def test_environment_overrides_are_checked_as_the_service_reads_them(tmp_path, m
         preflight.check_all({"trainer": write(tmp_path, "trainer", {})})
 
 
+def test_a_preference_dataset_is_checked_without_grading_its_pairs(tmp_path):
+    train = rows(tmp_path, '{"prompt": "1+1=", "chosen": "2", "rejected": "3"}')
+    evals = rows(tmp_path, '{"prompt": "2+2=", "answer": "4"}')
+    configs = preflight.check_all({"builder": builder_with(tmp_path, train=train, eval=evals, preference=True)})
+    assert preflight.check_dataset(configs["builder"]) == {"train": 1, "eval": 1}
+    bad_eval = rows(tmp_path, '{"prompt": "2+2="}')
+    with pytest.raises(preflight.PreflightError, match="missing field 'answer'"):   # eval rows are graded
+        preflight.check_dataset(preflight.check_all({"builder": builder_with(tmp_path, train=train, eval=bad_eval,
+                                                                             preference=True)})["builder"])
+
+
 def test_a_good_file_dataset_passes_and_its_rows_are_counted(tmp_path):
     train = rows(tmp_path, '{"prompt": "1+1", "answer": "2"}', '{"prompt": "2+2", "answer": "4", "verifier": "exact"}')
     path = builder_with(tmp_path, train=train, eval_fraction=0.5, verifier="math")

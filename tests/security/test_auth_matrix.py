@@ -78,7 +78,7 @@ JS = "$JS.API"
 # NATS publishes: subject -> the identities allowed besides the operator (the run's administrator)
 NATS_PUBLISH = {
     "prompts.work": {"builder"}, "batches.train.0": {"builder"},
-    "traj.raw": {"rollout"}, "traj.scored": {"rollout", "reward"},
+    "traj.raw": {"rollout"}, "traj.scored": {"rollout", "reward", "builder"},   # builder: preference pairs
     "events.version": {"trainer", "builder", "weight_exchange"},   # one subject for every kind of event
     **{f"dlq.{s}": {s} for s in ("builder", "reward", "rollout", "trainer")},
     "$KV.meshrl_builder.issued": {"builder"}, "$O.BATCH_BLOBS.C.x": {"builder"},
@@ -412,6 +412,7 @@ GATEWAY_MODEL_ROUTES = {("POST", "chat/completions"): {"model": "m", "messages":
 GATEWAY_ADMIN_ROUTES = {("POST", "/rl/start_session"), ("GET", "/rl/status"), ("GET", "/rl/sessions/{session_id}")}
 GATEWAY_SESSION_ROUTES = {("POST", "/rl/set_reward"), ("POST", "/rl/end_session")}
 GATEWAY_TOOL_ROUTES = {("POST", "/rl/run_code")}  # a session's own key only (a run belongs to an episode)
+GATEWAY_LABEL_ROUTES = {("POST", "/rl/set_preference")}  # a person's label: the admin key only, never an agent's
 GATEWAY_OPEN_ROUTES = {("GET", "/health"), ("GET", "/healthz")}
 
 
@@ -428,7 +429,7 @@ def test_gateway_matrix(creds, capsys):
                         for prefix in ("/v1", "")}
         served = {(m, r.path) for r in gw.app.routes for m in r.methods if m != "HEAD"}
         assert served == {*model_routes, *GATEWAY_ADMIN_ROUTES, *GATEWAY_SESSION_ROUTES, *GATEWAY_TOOL_ROUTES,
-                          *GATEWAY_OPEN_ROUTES}, \
+                          *GATEWAY_LABEL_ROUTES, *GATEWAY_OPEN_ROUTES}, \
             "a gateway route without a row in the matrix"
         ended = gw.start_session()
         assert gw.session_post(ended["api_key"], "/rl/end_session").status_code == 200
@@ -463,6 +464,13 @@ def test_gateway_matrix(creds, capsys):
             chat = GATEWAY_MODEL_ROUTES[("POST", "chat/completions")]
             assert call("POST", "/v1/chat/completions", session["api_key"], chat) == 200
             return session
+
+        for method, path in sorted(GATEWAY_LABEL_ROUTES):
+            pair = [with_a_call(s) for s in gw.start_session(group_size=2)["sessions"]]
+            body = {"chosen": pair[0]["session_id"], "rejected": pair[1]["session_id"]}
+            for credential, key in {**refused_always, "a live session's": pair[0]["api_key"]}.items():
+                check(method, path, credential, key, body, False)
+            check(method, path, "admin", ADMIN, body, True)
 
         for method, path in sorted(GATEWAY_SESSION_ROUTES):
             extra = {"reward": 1.0} if path.endswith("reward") else {}

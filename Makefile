@@ -105,6 +105,8 @@ bench-memory: setup
 	$(MESHRL) bench memory_peaks
 	$(MESHRL) bench memory_peaks --ranks 2 --megatron tp=2
 	$(MESHRL) bench memory_peaks --ranks 2 --megatron pp=2
+	test -f artifacts/models/tiny-qwen3-moe-seed0/config.json || $(MESHRL) model tiny-qwen3-moe
+	$(MESHRL) bench memory_peaks --ranks 2 --megatron ep=2 --model artifacts/models/tiny-qwen3-moe-seed0
 
 # trainer forward+backward tokens/s on the SmolLM2 job's batches, padded vs packed: one JSON line
 bench-trainer: setup

@@ -60,8 +60,9 @@ class Case:
 
 
 def build_model(path: str | pathlib.Path, *, hidden: int = 256, layers: int = 4, heads: int = 4, kv_heads: int = 2,
-                head_dim: int = 64, intermediate: int = 768, vocab: int = 8192, seed: int = 0) -> str:
-    """A float32 Qwen3 with the tiny model's tokenizer (ids past it are still valid model inputs)."""
+                head_dim: int = 64, intermediate: int = 768, vocab: int = 8192, seed: int = 0, experts: int = 0) -> str:
+    """A float32 Qwen3 (a Qwen3-MoE with `experts`) with the tiny model's tokenizer (ids past it are still valid
+    model inputs)."""
     import torch
 
     from services.trainer.models import TinyQwen3Config, build_tokenizer
@@ -69,7 +70,7 @@ def build_model(path: str | pathlib.Path, *, hidden: int = 256, layers: int = 4,
     torch.manual_seed(seed)
     model = TinyQwen3Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                             num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=intermediate,
-                            max_position_embeddings=4096).build(vocab)
+                            max_position_embeddings=4096, num_experts=experts).build(vocab)
     model.save_pretrained(path)
     build_tokenizer().save_pretrained(path)
     return str(path)
@@ -122,8 +123,10 @@ def child(case: Case) -> dict[str, float]:
     torch.set_num_threads(1)
     tmp = tempfile.TemporaryDirectory()
     # before the group exists: with one, save_pretrained writes on rank 0 only
+    config = json.loads(pathlib.Path(case.model_dir, "config.json").read_text())
+    experts = config.get("num_experts") or config.get("num_local_experts") or 0
     warm = build_model(f"{tmp.name}/warm", hidden=32, layers=2, heads=2, kv_heads=2, head_dim=16, intermediate=64,
-                       vocab=512)
+                       vocab=512, experts=experts)   # a MoE warm-up for a MoE case: ep needs experts
     if case.ranks > 1:  # joined here, so the engines join it and leave it up (the warm-up's close keeps it)
         dist.init_process_group("gloo", init_method="env://")
 

@@ -48,7 +48,8 @@ def test_run_alone_is_the_default_config():
     ("bench-async", "bench async_speedup"),
     ("fuzz", "bench fuzz --cases 10000"),
     ("bench-memory", ["bench memory_peaks", "bench memory_peaks --ranks 2 --megatron tp=2",
-                      "bench memory_peaks --ranks 2 --megatron pp=2"]),
+                      "bench memory_peaks --ranks 2 --megatron pp=2",
+                      "bench memory_peaks --ranks 2 --megatron ep=2 --model artifacts/models/tiny-qwen3-moe-seed0"]),
     ("bench-trainer", "bench trainer_packing"),
     ("model-smollm2", "model smollm2"),
 ])

@@ -463,3 +463,36 @@ async def test_two_tensor_parallel_workers_each_pull_their_shard(tmp_path, tiny_
         assert seq.output_ids == _hf_greedy(hf, prompt, 8)[:len(seq.output_ids)]
     finally:
         e.stop()
+
+
+@server_test
+async def test_the_stage_path_prepacks_a_moe_models_experts_again(tmp_path):
+    """vLLM's in-place reload copies a MoE layer's new experts in plain and skips the CPU kernel's prepack: without
+    prepacking them again the engine computes with plain values read as packed ones."""
+    from transformers import AutoModelForCausalLM
+
+    from services.rollout.engines.vllm_engine import VLLMConfig
+    from tests.trainer.test_megatron_live_sync import make_model
+
+    model_dir = make_model(tmp_path / "moe", experts=4)
+    config = VLLMConfig(weight_path="stage", startup_timeout=600.0, request_timeout=300.0,
+                        extra_args=["--enforce-eager"], log_file=str(tmp_path / "server.log"))
+    e = config.build(model_path=model_dir, max_batch=4, max_context=128, dtype="float32", seed=0)
+    await asyncio.to_thread(e.start)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt = [5, 6, 7, 8, 9]
+    try:
+        async with weight_exchange(e, dict(hf.named_parameters())) as wx:
+            def change(p) -> None:   # the experts and the router: the MoE layers compute otherwise
+                for name, t in p.items():
+                    if ".mlp." in name:
+                        t.mul_(-2.0).add_(0.01)
+
+            await wx.update(1, change)
+            seq = (await e.generate(prompt, Sampling(temperature=0.0, max_new_tokens=8)))[0]
+        assert set(seq.versions) == {1}
+        assert seq.output_ids == _hf_greedy(hf, prompt, 8)[:len(seq.output_ids)]
+        torch.testing.assert_close(torch.tensor(seq.logprobs), torch.tensor(_hf_logprobs(hf, prompt, seq.output_ids)),
+                                   rtol=0, atol=1e-4)
+    finally:
+        e.stop()

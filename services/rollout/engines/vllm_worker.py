@@ -130,6 +130,23 @@ def repack_experts(module: torch.nn.Module, plain: dict[str, torch.Tensor]) -> N
     module.quant_method.moe_kernel.fused_experts.process_weights_after_loading(module)
 
 
+def prepack_reloaded_experts(model: torch.nn.Module) -> int:
+    """After vLLM's in-place reload: its second post-load pass copies a MoE layer's new experts in plain and skips
+    the CPU kernel's prepack, so the kernel would read plain values as packed ones. Prepack them again (the kernel's
+    own post-load step). A layer whose kernel pads the experts cannot be reloaded so (its tensors already hold the
+    padded shape): refused, naming weight_path worker. Returns how many layers were prepacked."""
+    count = 0
+    for name, module in model.named_modules():
+        if not _prepacked_experts(module):
+            continue
+        if tuple(module.w13_weight.shape) != _experts_shape(module, "w13_weight"):
+            raise RuntimeError(f"{name}: the CPU MoE kernel pads these experts; the stage path cannot reload them "
+                               "(engine.vllm.weight_path: worker can)")
+        module.quant_method.moe_kernel.fused_experts.process_weights_after_loading(module)
+        count += 1
+    return count
+
+
 def live_params(model: torch.nn.Module, transposed=()) -> dict[str, tuple[torch.nn.Module, torch.Tensor,
                                                                           tuple[int, ...], bool]]:
     """name -> (owning module, the tensor updates write, logical shape, packed) for every parameter vLLM holds (a
@@ -295,10 +312,12 @@ class WeightUpdateExtension:
         manifest = json.loads(manifest_json)
         weights = stage_views(manifest)
         self.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
-        refreshed = refresh_cpu_gemms(self.model_runner.get_model())
+        model = self.model_runner.get_model()
+        refreshed = refresh_cpu_gemms(model)
+        experts = prepack_reloaded_experts(model)
         total = sum(t.numel() * t.element_size() for _, t in weights)
         return json.dumps({"tensors": len(weights), "bytes": total, "seconds": time.perf_counter() - started,
-                           "cpu_gemms_refreshed": refreshed})
+                           "cpu_gemms_refreshed": refreshed, "experts_repacked": experts})
 
     def meshrl_param_sums(self, names_json: str = "[]") -> str:
         """Sums of the named live parameters (vLLM's names; all when empty), for checks. JSON {name: float}."""

@@ -127,6 +127,11 @@ def repack_experts(module: torch.nn.Module, plain: dict[str, torch.Tensor]) -> N
 
     for leaf in EXPERT_WEIGHTS:
         replace_parameter(module, leaf, plain[leaf])
+    _prepack_experts(module)
+
+
+def _prepack_experts(module: torch.nn.Module) -> None:
+    """The CPU MoE kernel's own post-load step (pad, prepack) on the layer's current, plain experts."""
     module.quant_method.moe_kernel.fused_experts.process_weights_after_loading(module)
 
 
@@ -142,7 +147,7 @@ def prepack_reloaded_experts(model: torch.nn.Module) -> int:
         if tuple(module.w13_weight.shape) != _experts_shape(module, "w13_weight"):
             raise RuntimeError(f"{name}: the CPU MoE kernel pads these experts; the stage path cannot reload them "
                                "(engine.vllm.weight_path: worker can)")
-        module.quant_method.moe_kernel.fused_experts.process_weights_after_loading(module)
+        _prepack_experts(module)
         count += 1
     return count
 

@@ -18,6 +18,8 @@ import types
 import torch
 import torch.distributed as dist
 
+from services.trainer.megatron.model import sequence_width
+
 
 class MegatronCausalLM(torch.nn.Module):
     def __init__(self, gpt: torch.nn.Module, vocab_size: int, expert_group=None) -> None:
@@ -37,9 +39,7 @@ class MegatronCausalLM(torch.nn.Module):
             reduced = torch.tensor(shape, device=input_ids.device)
             dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=self.expert_group)
             shape = reduced.tolist()
-        config = self.gpt.config
-        if config.sequence_parallel:   # the sequence splits evenly over the TP ranks
-            shape[1] = -(-shape[1] // config.tensor_model_parallel_size) * config.tensor_model_parallel_size
+        shape[1] = sequence_width(self.gpt.config, shape[1])
         if shape == [rows, width]:
             return types.SimpleNamespace(logits=self._logits(input_ids))
         # right padding: under the causal mask no real position sees it; its logits are dropped

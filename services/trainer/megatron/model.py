@@ -95,6 +95,15 @@ def build_gpt_model(spec: ModelSpec, par: MegatronParallel | None = None, *, rop
                     rotary_base=rope_theta)
 
 
+def sequence_width(config, width: int) -> int:
+    """The sequence length a forward pads to: with sequence parallelism, a multiple of the TP size (the sequence
+    splits evenly over the TP ranks)."""
+    if not config.sequence_parallel:
+        return width
+    tp = config.tensor_model_parallel_size
+    return -(-width // tp) * tp
+
+
 class SequenceParallelRMSNorm(torch.nn.RMSNorm):
     """The local spec's norm (megatron-core's ``WrappedTorchNorm``) refuses sequence parallelism, which
     megatron-core requires for MoE layers under tensor parallelism. This one is the same ``torch.nn.RMSNorm`` with

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from services.trainer.batching import PackedBatch
 from services.trainer.forward import Forwards, LossOf, logits_logp_entropy
+from services.trainer.megatron.model import sequence_width
 from services.trainer.optim import Clip, optimizer_step
 
 
@@ -113,9 +114,7 @@ class PipelineForwards(Forwards):
         agreed = torch.tensor([rows, batch.input_ids.shape[1]], device=batch.input_ids.device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         rows, width = (int(v) for v in agreed.tolist())
-        config = self.gpt.config
-        if config.sequence_parallel:   # the sequence splits evenly over the TP ranks
-            width = -(-width // config.tensor_model_parallel_size) * config.tensor_model_parallel_size
+        width = sequence_width(self.gpt.config, width)
         ids = batch.input_ids.new_zeros((rows * n, width))
         ids[:batch.size, :batch.input_ids.shape[1]] = batch.input_ids
         micro = [(i, types.SimpleNamespace(input_ids=ids[i * rows:(i + 1) * rows])) for i in range(n)]

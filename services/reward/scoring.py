@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from services.common import grading
+from services.common import grading, routed_experts
 from services.common.bus import InvalidMessage
 from services.common.contracts import data_pb2
 from services.common.errors import FieldError
@@ -57,6 +57,10 @@ def validate_trajectory(traj: data_pb2.Trajectory, vocab_size: int | None = None
         if ids and (min(ids) < 0 or (vocab_size is not None and max(ids) >= vocab_size)):
             bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
             raise InvalidMessage(f"{field}: token ids must be in {bound}")
+    try:
+        routed_experts.check(traj)
+    except ValueError as exc:
+        raise InvalidMessage(str(exc)) from None
     if not all(math.isfinite(x) for x in traj.behavior_logprobs):
         raise InvalidMessage("behavior_logprobs: must be finite")
     if traj.loss_mask and not set(traj.loss_mask) <= {0, 1}:

@@ -40,12 +40,16 @@ class RolloutEngineConfig(EngineConfig):
             raise FieldError("engine.kind", f"must be one of {', '.join(ENGINE_KINDS)}, got {self.kind!r}")
         if self.kind == "vllm_ascend":
             check_ascend_device(self.device)
+        if self.record_routes and self.kind not in ("embedded", "vllm"):
+            raise FieldError("engine.record_routes", f"routed experts are recorded by the embedded and vllm engines; "
+                                                     f"the {self.kind} engine here does not return them")
 
     def build(self, run_dir: str = ""):
         common = dict(model_path=self.model_path, max_batch=self.max_batch, max_context=self.max_context,
                       dtype=self.dtype, seed=self.seed, version=self.initial_version, run_dir=run_dir)
         if self.kind == "vllm":
-            return self.vllm.build(**common)
+            vllm = dataclasses.replace(self.vllm, return_routed_experts=True) if self.record_routes else self.vllm
+            return vllm.build(**common)
         if self.kind == "vllm_ascend":
             return build_vllm_ascend(self.vllm, device=self.device, **common)
         if self.kind == "sglang":

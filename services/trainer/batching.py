@@ -14,6 +14,7 @@ import torch
 from services.common.contracts import data_pb2
 from services.common.errors import FieldError
 from services.common.logging import get_logger
+from services.common.routed_experts import check
 from services.common.sampling import temperature_mismatch
 from services.common.staleness import staleness
 from services.common.steps import check_step_rewards
@@ -32,6 +33,9 @@ class PackedBatch:
     truncated: torch.Tensor      # bool[B], generation stopped at max_new_tokens (finish_reason "length")
     step_rewards: torch.Tensor   # float[B, L-1], each process reward on the last token of its step, 0 elsewhere
     step_mask: torch.Tensor      # bool[B, L-1], True where a step ends (rows without process rewards: none)
+    # MoE routing replay: int16[B, L, layers, top_k], the experts the rollout routed each input token to (-1: not
+    # recorded, the model routes it); int16[B, 0, 0, 0] when no trajectory of the batch carries routes
+    routes: torch.Tensor
 
     def rows(self, index: torch.Tensor) -> PackedBatch:
         return PackedBatch(**{f.name: getattr(self, f.name)[index] for f in dataclasses.fields(self)})
@@ -125,7 +129,30 @@ def pack(trajectories: list[data_pb2.Trajectory], pad_token_id: int, *,
                        torch.tensor(groups, dtype=torch.long),
                        torch.tensor([len(t.completion_ids) for t in trajectories], dtype=torch.long),
                        torch.tensor([t.finish_reason == "length" for t in trajectories], dtype=torch.bool),
-                       step_rewards, step_mask)
+                       step_rewards, step_mask, routed_experts(trajectories, width))
+
+
+def routed_experts(trajectories: list[data_pb2.Trajectory], width: int) -> torch.Tensor:
+    """The batch's recorded routes on the [B, L] token grid (see PackedBatch.routes); ValueError naming the field
+    for routes longer than their trajectory or shaped unlike the batch's others."""
+    recorded = []
+    for row, t in enumerate(trajectories):
+        try:
+            routes = check(t)
+        except ValueError as exc:
+            raise ValueError(f"{exc} in {t.trajectory_id}") from None
+        if routes is not None:
+            recorded.append((row, t, routes))
+    if not recorded:
+        return torch.zeros((len(trajectories), 0, 0, 0), dtype=torch.int16)
+    shape = recorded[0][2].shape[1:]
+    out = torch.full((len(trajectories), width, *shape), -1, dtype=torch.int16)
+    for row, t, routes in recorded:
+        if routes.shape[1:] != shape:
+            raise FieldError("routed_experts", f"{routes.shape[1]} layers x top-{routes.shape[2]} in "
+                                               f"{t.trajectory_id}, {shape[0]} x top-{shape[1]} in the batch's others")
+        out[row, :len(routes)] = torch.from_numpy(routes.astype("int16"))
+    return out
 
 
 def trajectory_staleness(t: data_pb2.Trajectory, train_version: int) -> int:

@@ -86,6 +86,9 @@ class TrainerConfig(ServiceConfig):
     critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)          # built when the preset needs one
     reference: ReferenceConfig = dataclasses.field(default_factory=ReferenceConfig)  # built when the preset needs one
     packing: PackingConfig = dataclasses.field(default_factory=PackingConfig)  # sequence packing of the forwards
+    # MoE routing replay (R3): the policy's forwards route each token to the experts the rollout's engine chose
+    # for it (recorded when the engine's record_routes is on); tokens without a record route themselves
+    routing_replay: bool = False
     max_new_tokens: int = 8                             # the generation limit: the launcher sets builder.sampling.max_new_tokens
     sft_min_reward: float = 0.0                         # sft: train on samples with reward above this
     temperature: float = 1.0                            # log-probs at this temperature: the launcher sets builder.sampling.temperature; a batch sampled at another is skipped
@@ -165,6 +168,8 @@ class TrainerConfig(ServiceConfig):
                              "needs backend: torch")
         if self.packing.enabled:
             raise FieldError("packing.enabled", "the megatron backend runs padded rows; set packing.enabled: false")
+        if self.routing_replay and m.pp > 1:
+            raise FieldError("routing_replay", "the megatron backend replays routes without pipeline stages (pp 1)")
 
     def algorithm_config(self) -> AlgorithmConfig:
         """The preset with ``algo_overrides`` on top; ``max_new_tokens`` unless the overrides set it."""

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from services.common.moe_routing import replaying
 from services.trainer.algorithms import token_logp
 from services.trainer.batching import PackedBatch
 from services.trainer.optim import Clip, apply_update
@@ -29,7 +30,23 @@ def _packed_logits(model: torch.nn.Module, batch: PackedBatch, cells: torch.Tens
     assert config is not None
     packing = pack_rows(batch.input_ids, batch.attention_mask, batch.lengths, config)
     rows, cols = torch.nonzero(cells, as_tuple=True)
-    return packed_logits(model, packing, packing.locate(rows, cols)), rows, cols
+    with _replayed_routes(model, batch, packing.source):
+        return packed_logits(model, packing, packing.locate(rows, cols)), rows, cols
+
+
+def _replayed_routes(model: torch.nn.Module, batch: PackedBatch, source: torch.Tensor | None = None):
+    """MoE routing replay for one forward of ``model`` over ``batch`` (its rows padded, or packed: ``source``,
+    each packed cell's place on the grid): its routers take the rollout's recorded experts where the batch has
+    them. Nothing when replay is off for the model or the batch carries no routes."""
+    routers = replaying(model)
+    if routers is None or batch.routes.shape[1] == 0:
+        return contextlib.nullcontext()
+    b, width = batch.input_ids.shape
+    flat = batch.routes.reshape(b * width, *batch.routes.shape[2:])
+    if source is not None:
+        cells = source.reshape(-1)
+        flat = torch.where((cells >= 0)[:, None, None], flat[cells.clamp(min=0)], -1)
+    return routers.replay(flat)
 
 
 def _on_grid(values: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
@@ -46,7 +63,8 @@ def sequence_logits(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
     if active() is not None:
         logits, rows, cols = _packed_logits(model, batch, batch.attention_mask[:, 1:].bool())
         return _on_grid(logits, rows, cols, batch)
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    with _replayed_routes(model, batch):
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
     return out.logits[:, :-1, :]
 
 

@@ -80,6 +80,7 @@ class Packing:
     prompt_length: torch.Tensor   # long[B], tokens of the row taken from that prompt
     completion_start: torch.Tensor  # long[B], column of the rest of the row
     lengths: torch.Tensor         # long[B], real tokens of the row
+    source: torch.Tensor          # long[bins, width], row * L + column of each cell's token on the [B, L] grid, -1 on pads
     forward_tokens: int           # non-pad tokens in the bins: the rows' real tokens less the prompts shared
 
     def real_tokens(self) -> int:
@@ -158,7 +159,10 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_
     sequence[cell] = seg_sequence[segment]
     unit_of = torch.full((len(bins) * width,), -1, dtype=torch.long)
     unit_of[cell] = seg_unit[segment]
-    ids, positions, sequence, unit_of = (t.view(len(bins), width) for t in (ids, positions, sequence, unit_of))
+    source = torch.full((len(bins) * width,), -1, dtype=torch.long)
+    source[cell] = seg_row[segment] * input_ids.shape[1] + column
+    ids, positions, sequence, unit_of, source = (t.view(len(bins), width)
+                                                 for t in (ids, positions, sequence, unit_of, source))
     rows_meta = torch.tensor(meta, dtype=lengths.dtype).reshape(len(length_of), 4).unbind(-1)
     pad = unit_of < 0
     unit_of[pad] = -1 - torch.arange(int(pad.sum()))  # each pad token its own unit: it sees itself only
@@ -166,7 +170,7 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_
     own_row = (sequence.unsqueeze(-2) < 0) | (sequence.unsqueeze(-1) == sequence.unsqueeze(-2))  # key is a prompt or the query's own
     causal = torch.ones(width, width, dtype=torch.bool).tril()
     attention = (same_unit & own_row & causal).unsqueeze(1)
-    out = [t.to(device) for t in (ids, positions, attention, *rows_meta, lengths)]
+    out = [t.to(device) for t in (ids, positions, attention, *rows_meta, lengths, source)]
     return Packing(*out, forward_tokens=int((~pad).sum()))
 
 

@@ -41,7 +41,7 @@ def test_the_rollout_records_the_works_sampling_on_each_trajectory():
                                                                 max_new_tokens=4, stop_token_ids=[2]))
 
     class Seq:
-        output_ids, logprobs, versions, finish_reason = [3], [-0.5], [0], "stop"
+        output_ids, logprobs, versions, finish_reason, routes = [3], [-0.5], [0], "stop", None
 
     (t,) = to_trajectories(work, [Seq()])
     assert (t.sampling.temperature, t.sampling.top_k, t.sampling.max_new_tokens) == (pytest.approx(0.6), 5, 4)

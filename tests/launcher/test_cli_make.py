@@ -51,6 +51,7 @@ def test_run_alone_is_the_default_config():
                       "bench memory_peaks --ranks 2 --megatron pp=2",
                       "bench memory_peaks --ranks 2 --megatron ep=2 --model artifacts/models/tiny-qwen3-moe-seed0"]),
     ("bench-trainer", "bench trainer_packing"),
+    ("bench-routing", "bench routing_replay"),
     ("model-smollm2", "model smollm2"),
 ])
 def test_targets_call_meshrl(target, line):

@@ -29,10 +29,10 @@ def test_lookup_returns_the_longest_stored_whole_block_prefix_shorter_than_the_c
     stored = list(range(10, 21))                      # 11 tokens: 8 stored (two blocks)
     assert cache.insert(stored, kv_of(stored))
     assert cache.lookup(list(range(10, 30)))[0] == 8
-    n, kv = cache.lookup(list(range(10, 16)) + [99, 98])   # shares one whole block
+    n, kv, _ = cache.lookup(list(range(10, 16)) + [99, 98])   # shares one whole block
     assert n == 4 and kv[1][0].flatten().tolist() == [11.0, 12.0, 13.0, 14.0]
     assert cache.lookup(list(range(10, 18)))[0] == 4, "at least the last token is left to compute"
-    assert cache.lookup([1, 2, 3, 4, 5, 6]) == (0, None)
+    assert cache.lookup([1, 2, 3, 4, 5, 6]) == (0, None, None)
     assert cache.stats.hits == 3 and cache.stats.hit_tokens == 16 and cache.stats.lookups == 4
 
 
@@ -40,7 +40,7 @@ def test_a_hash_match_is_verified_token_for_token(monkeypatch):
     cache = PrefixCache(budget_bytes=1 << 20, block=BLOCK)
     cache.insert([1, 2, 3, 4, 5], kv_of([1, 2, 3, 4, 5]))
     monkeypatch.setattr(cache, "_chain", lambda context, blocks: [0] * blocks)  # every context collides
-    assert cache.lookup([7, 7, 7, 7, 7]) == (0, None)
+    assert cache.lookup([7, 7, 7, 7, 7]) == (0, None, None)
 
 
 def test_the_byte_budget_evicts_the_least_recently_used_and_an_entry_too_big_is_not_stored():
@@ -56,7 +56,7 @@ def test_the_byte_budget_evicts_the_least_recently_used_and_an_entry_too_big_is_
     assert not cache.insert(list(range(24)), kv_of(list(range(24))))   # 3x the per-entry bytes: over budget
     assert not cache.insert(a + [5], kv_of(a)), "a held prefix is not stored twice"
     cache.clear()
-    assert len(cache) == 0 and cache.bytes == 0 and cache.lookup(a + [1]) == (0, None)
+    assert len(cache) == 0 and cache.bytes == 0 and cache.lookup(a + [1]) == (0, None, None)
 
 
 def test_a_boundary_two_entries_share_stays_indexed_while_the_newer_lives():

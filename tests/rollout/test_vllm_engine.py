@@ -496,3 +496,39 @@ async def test_the_stage_path_prepacks_a_moe_models_experts_again(tmp_path):
                                    rtol=0, atol=1e-4)
     finally:
         e.stop()
+
+
+
+def test_record_routes_asks_vllm_for_routed_experts_and_reads_its_encoding(tmp_path, monkeypatch):
+    """vLLM returns routed experts (`--enable-return-routed-experts`, its V2 model runner) only where Triton runs:
+    not on this CPU build, so no server here returns them. What runs: the engine section's record_routes starts
+    the server with both, and a finished choice's `routed_experts` (base64 of a .npy, as vLLM's scale-out protocol
+    documents it) becomes the sequence's routes."""
+    import base64
+    import io
+
+    import numpy as np
+
+    from services.rollout.config import RolloutEngineConfig
+    from services.rollout.engines.vllm_engine import VLLMEngine, routed_experts
+
+    launched = {}
+    monkeypatch.setattr(VLLMEngine, "_spawn", lambda self, args, env, host, port: launched.update(args=args, env=env))
+    monkeypatch.setattr(VLLMEngine, "_server_python", lambda self, python, hint: python)
+    (tmp_path / "config.json").write_text("{}")
+    engine = RolloutEngineConfig(kind="vllm", model_path=str(tmp_path), record_routes=True).build()
+    engine._launch()
+    assert "--enable-return-routed-experts" in launched["args"]
+    assert launched["env"]["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    plain = RolloutEngineConfig(kind="vllm", model_path=str(tmp_path)).build()
+    plain._launch()
+    assert "--enable-return-routed-experts" not in launched["args"]
+
+    recorded = np.array([[[3, 0], [1, 2]], [[0, 1], [2, 3]]], dtype=np.uint8)  # 3 tokens: 2 fed, 2 layers, top-2
+    buffer = io.BytesIO()
+    np.save(buffer, recorded)
+    routes = routed_experts(base64.b64encode(buffer.getvalue()).decode())
+    assert routes.dtype == torch.int16 and routes.tolist() == recorded.tolist()
+    np.save(buffer := io.BytesIO(), recorded[0])
+    with pytest.raises(RuntimeError, match="routed experts of shape"):
+        routed_experts(base64.b64encode(buffer.getvalue()).decode())

@@ -37,6 +37,7 @@ class PrefixCacheStats:
 class _Entry:
     tokens: tuple[int, ...]
     kv: list[tuple[torch.Tensor, torch.Tensor]]   # per layer: keys, values [kv_heads, len(tokens), head_dim]
+    routes: torch.Tensor | None                    # MoE routing replay: the tokens' routed experts, when recorded
     nbytes: int
     boundaries: list[int]                          # the chain hashes that index this entry
 
@@ -64,9 +65,10 @@ class PrefixCache:
             hashes.append(h)
         return hashes
 
-    def lookup(self, context: Sequence[int]) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]] | None]:
+    def lookup(self, context: Sequence[int]) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]] | None,
+                                                      torch.Tensor | None]:
         """The longest stored prefix of `context` shorter than it (a step must compute at least its last token):
-        (its length, per-layer KV views of that length), or (0, None)."""
+        (its length, per-layer KV views of that length, its routed experts if stored), or (0, None, None)."""
         self.stats.lookups += 1
         self.stats.lookup_tokens += len(context)
         hashes = self._chain(context, (len(context) - 1) // self.block)
@@ -77,12 +79,14 @@ class PrefixCache:
                 self._entries.move_to_end(id(entry))
                 self.stats.hits += 1
                 self.stats.hit_tokens += n
-                return n, [(k[:, :n], v[:, :n]) for k, v in entry.kv]
-        return 0, None
+                return n, [(k[:, :n], v[:, :n]) for k, v in entry.kv], \
+                    None if entry.routes is None else entry.routes[:n]
+        return 0, None, None
 
-    def insert(self, context: Sequence[int], kv_of: KVOf) -> bool:
+    def insert(self, context: Sequence[int], kv_of: KVOf, routes: torch.Tensor | None = None) -> bool:
         """Store the KV of `context`'s longest whole-block prefix unless an entry already holds it (or it would
-        not fit the budget at all); `kv_of(n)` returns copies of the first n tokens' KV. True if stored."""
+        not fit the budget at all); `kv_of(n)` returns copies of the first n tokens' KV; `routes`, the context's
+        routed experts per token (MoE routing replay), are stored beside it. True if stored."""
         blocks = len(context) // self.block
         if not blocks:
             return False
@@ -93,12 +97,13 @@ class PrefixCache:
             self._entries.move_to_end(id(held))
             return False
         kv = kv_of(n)
-        nbytes = sum(k.nbytes + v.nbytes for k, v in kv)
+        routes = None if routes is None else routes[:n].clone()
+        nbytes = sum(k.nbytes + v.nbytes for k, v in kv) + (0 if routes is None else routes.nbytes)
         if nbytes > self.budget_bytes:
             return False
         while self.bytes + nbytes > self.budget_bytes:
             self._evict_oldest()
-        entry = _Entry(tuple(context[:n]), kv, nbytes, hashes)
+        entry = _Entry(tuple(context[:n]), kv, routes, nbytes, hashes)
         self._entries[id(entry)] = entry
         for h in hashes:
             self._index[h] = entry

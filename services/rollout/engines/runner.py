@@ -17,6 +17,7 @@ weight changed through torch in place (the tensor's version counter moved) or wa
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -25,10 +26,11 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from services.common.cpu_features import native_bf16, onednn_linear
+from services.common.moe_routing import routers_of
 from services.rollout.engines.prefix_cache import PrefixCache
 from services.rollout.engines.sampler import sample
 from services.rollout.engines.scheduler import Step
-from services.rollout.engines.sequence import Sequence
+from services.rollout.engines.sequence import Sequence, Status
 
 SLACK = 64  # spare KV columns allocated beyond what a layer holds (and at least half its length)
 
@@ -140,7 +142,7 @@ def _packed_forward(m: torch.nn.Linear, state: list, compute: torch.dtype | None
 
 class ModelRunner:
     def __init__(self, model: PreTrainedModel, *, pad_token_id: int, seed: int, prepack: bool = True,
-                 prefix_cache_bytes: int = 0) -> None:
+                 prefix_cache_bytes: int = 0, record_routes: bool = False) -> None:
         self.model = model.eval()
         self.device = next(model.parameters()).device  # every tensor of the engine lives here
         params = next(model.parameters())
@@ -156,6 +158,8 @@ class ModelRunner:
         self.prefilled_rows = 0                      # rows whose whole context went through the model
         self.prefilled_contexts = 0                  # ... counted once per distinct context (shared prompts)
         self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        # MoE routing replay: each row's routers' choices for every token it fed (Sequence.routes)
+        self.routers = routers_of(model) if record_routes else None
 
     @torch.inference_mode()
     def run(self, step: Step) -> tuple[list[int], list[float]]:
@@ -195,11 +199,19 @@ class ModelRunner:
         contexts = list(distinct)
         groups: dict[int, list[int]] = {}   # cached prefix length -> contexts
         prefixes: list[list | None] = [None] * len(contexts)
+        prefix_routes: list[torch.Tensor | None] = [None] * len(contexts)
         for i, ctx in enumerate(contexts):
-            hit, prefixes[i] = self.prefix.lookup(ctx) if self.prefix is not None else (0, None)
+            hit, prefixes[i], prefix_routes[i] = self.prefix.lookup(ctx) if self.prefix is not None else (0, None, None)
             groups.setdefault(hit, []).append(i)
-        parts = [self._forward([contexts[i] for i in members], hit, [prefixes[i] for i in members])
-                 for hit, members in groups.items()]
+        routes: list[torch.Tensor | None] = [None] * len(contexts)
+        parts = []
+        for hit, members in groups.items():
+            with self._recording() as recording:
+                parts.append(self._forward([contexts[i] for i in members], hit, [prefixes[i] for i in members]))
+            if recording is not None:
+                for i, r in zip(members, self._context_routes(recording, [contexts[i] for i in members], hit,
+                                                             [prefix_routes[i] for i in members]), strict=True):
+                    routes[i] = r
         order = [i for members in groups.values() for i in members]
         cache, mask, positions, logits = parts[0] if len(parts) == 1 else _concat(parts)
         for layer in cache.layers:  # plain layers grow in place from now on
@@ -209,7 +221,10 @@ class ModelRunner:
             self.prefix = None  # sliding windows or recurrent states: a prefix's KV is not a plain per-layer slice
         if self.prefix is not None:
             for slot, i in enumerate(order):
-                self.prefix.insert(contexts[i], functools.partial(_row_kv, cache, mask, slot))
+                self.prefix.insert(contexts[i], functools.partial(_row_kv, cache, mask, slot), routes[i])
+        if self.routers is not None:
+            for seq, c in zip(rows, row_of, strict=True):
+                seq.routes = [routes[c]]  # a prefill computes every position again: earlier records are replaced
         self.prefilled_rows += len(rows)
         self.prefilled_contexts += len(contexts)
         slot_of = {i: slot for slot, i in enumerate(order)}
@@ -253,21 +268,44 @@ class ModelRunner:
     def _extend(self, step: Step) -> torch.Tensor:
         if step.keep != tuple(range(self._mask.shape[0])):
             self._select(torch.tensor(step.keep, device=self.device))
-        logits = [self._decode()]
+        logits = [self._decode(step.rows[:len(step.keep)])]
         if step.new:
             cache, mask, positions, new_logits = self._prefill(step.rows[len(step.keep):])
             self._merge(cache, mask, positions)
             logits.append(new_logits)
         return torch.cat(logits)
 
-    def _decode(self) -> torch.Tensor:
+    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
         rows = self._mask.shape[0]
         self._mask = torch.cat([self._mask, torch.ones((rows, 1), dtype=torch.long, device=self.device)], dim=-1)
         self._positions = self._positions + 1
-        out = self.model(input_ids=self._last.unsqueeze(-1), attention_mask=self._mask,
-                         position_ids=self._positions.unsqueeze(-1), cache=self._cache, use_cache=True,
-                         logits_to_keep=1)
+        with self._recording() as recording:
+            out = self.model(input_ids=self._last.unsqueeze(-1), attention_mask=self._mask,
+                             position_ids=self._positions.unsqueeze(-1), cache=self._cache, use_cache=True,
+                             logits_to_keep=1)
+        if recording is not None:
+            fed = _stacked(recording)  # [rows, layers, top_k]: the token each row fed
+            for r, seq in enumerate(seqs):
+                if seq.status is Status.RUNNING:
+                    seq.routes.append(fed[r:r + 1])
         return out.logits[:, -1, :]
+
+    # routing replay ---------------------------------------------------------------------------------------------
+    def _recording(self):
+        return self.routers.record() if self.routers is not None else contextlib.nullcontext()
+
+    def _context_routes(self, recording: list[list[torch.Tensor]], contexts: list[tuple[int, ...]], hit: int,
+                        prefix_routes: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        """Per context of one `_forward` batch: its routes [len(context), layers, top_k], the cached prefix's
+        (stored with its KV) followed by those of the tokens this batch fed (the right end of each padded row)."""
+        fed = _stacked(recording).view(len(contexts), -1, self.routers.layers, self.routers.top_k)
+        out = []
+        for i, ctx in enumerate(contexts):
+            rest = fed[i, fed.shape[1] - (len(ctx) - hit):]
+            if hit and prefix_routes[i] is None:  # stored before recording was on: cannot happen in one engine
+                raise RuntimeError("routing replay: a cached prefix without its routed experts")
+            out.append(torch.cat([prefix_routes[i], rest]) if hit else rest)
+        return out
 
     def _select(self, keep: torch.Tensor) -> None:
         """Keep these rows, then drop the KV columns that are padding in every row left."""
@@ -304,6 +342,12 @@ def _row_kv(cache: DynamicCache, mask: torch.Tensor, row: int, n: int) -> list[t
     """Copies of the KV of `row`'s first n tokens (its unmasked columns), for the prefix cache."""
     cols = mask[row].nonzero().squeeze(-1)[:n]
     return [(layer.keys[row].index_select(1, cols), layer.values[row].index_select(1, cols)) for layer in cache.layers]
+
+
+def _stacked(recording: list[list[torch.Tensor]]) -> torch.Tensor:
+    """One forward's recorded indices, per layer [tokens, top_k] -> uint8/int16 [tokens, layers, top_k] on the host."""
+    indices = torch.stack([layer[-1] for layer in recording], dim=1)
+    return indices.to("cpu", torch.int16)
 
 
 def _left_pad(kv: torch.Tensor, width: int) -> torch.Tensor:

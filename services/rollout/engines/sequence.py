@@ -80,6 +80,9 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str = ""
     first_token_at: float = 0.0  # time.perf_counter() when its first token was appended (0: none yet)
+    # MoE routing replay (an engine recording routes): chunks of [positions, layers, top_k] expert indices, in
+    # order, for the tokens of `context` the engine fed through the model (all but the last one sampled)
+    routes: list | None = None
 
     @property
     def context(self) -> list[int]:

@@ -54,6 +54,7 @@ class EngineConfig:
     dtype: str = "float32"       # float32 | bfloat16: the weights and KV cache (weight sync casts what arrives to it)
     prepack: bool = True         # CPU: linear layers run on oneDNN-prepacked copies of their weights (faster, 2x memory)
     prefix_cache_mb: int = 512   # KV of prompt prefixes kept across requests (LRU, cleared at weight updates); 0: off
+    record_routes: bool = False  # MoE routing replay: each token's routed experts travel with its trajectory
 
     def __post_init__(self) -> None:
         check_device(self.device)
@@ -75,7 +76,8 @@ class EngineConfig:
                               pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
                               max_batch=self.max_batch, max_context=self.max_context, seed=self.seed,
                               version=self.initial_version, prepack=self.prepack,
-                              torch_threads=self.torch_threads, prefix_cache_bytes=self.prefix_cache_mb << 20)
+                              torch_threads=self.torch_threads, prefix_cache_bytes=self.prefix_cache_mb << 20,
+                              record_routes=self.record_routes)
         get_logger().info("engine_built", dtype=self.dtype, device=str(device), linear_path=engine.runner.linear_path,
                           **(describe() if device.type == "cpu" else {}))
         return engine
@@ -86,13 +88,13 @@ class EmbeddedEngine:
 
     def __init__(self, model: PreTrainedModel, *, eos_token_id: int, pad_token_id: int, max_batch: int,
                  max_context: int, seed: int, version: int = 0, prepack: bool = True,
-                 torch_threads: int = 1, prefix_cache_bytes: int = 0) -> None:
+                 torch_threads: int = 1, prefix_cache_bytes: int = 0, record_routes: bool = False) -> None:
         self.model = model
         self.version = version
         self.scheduler = Scheduler(max_batch=max_batch, eos_token_id=eos_token_id, max_context=max_context)
         self.vocab_size = _vocab_size(model)
         self.runner = ModelRunner(model, pad_token_id=pad_token_id, seed=seed, prepack=prepack,
-                                  prefix_cache_bytes=prefix_cache_bytes)
+                                  prefix_cache_bytes=prefix_cache_bytes, record_routes=record_routes)
         self.stats = EngineStats()
         self.torch_threads = torch_threads
         self._cv = threading.Condition()

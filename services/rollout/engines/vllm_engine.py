@@ -34,8 +34,10 @@ updates (`weight_updates: false` turns them off).
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
+import io
 import itertools
 import json
 import math
@@ -45,6 +47,7 @@ import sys
 import time
 import uuid
 
+import numpy as np
 import torch
 
 from services.common.errors import FieldError
@@ -89,6 +92,9 @@ class VLLMConfig:
     weight_path: str = "worker"      # worker: each vLLM worker pulls its own shard | stage: a /dev/shm stage, reloaded
     stage_dir: str = "/dev/shm"      # weight_path stage: where the stage file lives (shared with the server's worker)
     log_file: str = ""               # a started server's stdout and stderr; empty: <run_dir>/vllm-server.log or a temp file
+    # --enable-return-routed-experts: each finished request returns the experts every fed token was routed to (MoE
+    # routing replay); the engine section's record_routes sets it
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.url and not self.url.startswith(("http://", "https://")):
@@ -117,6 +123,14 @@ class VLLMConfig:
 
 
 VLLMStats = ServerStats
+
+
+def routed_experts(encoded: str) -> torch.Tensor:
+    """vLLM's `routed_experts` (base64 of a .npy, [tokens - 1, layers, top_k]) as expert indices."""
+    array = np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
+    if array.ndim != 3:
+        raise RuntimeError(f"vLLM returned routed experts of shape {array.shape}, not [tokens, layers, top_k]")
+    return torch.from_numpy(array.astype(np.int16))
 
 
 def worker_shards(workers: list[dict], model_path: str, dtype: str,
@@ -258,9 +272,13 @@ class VLLMEngine(ServerEngine):
                 "--enable-prefix-caching" if c.prefix_caching else "--no-enable-prefix-caching"]
         if self.config.weight_updates:
             args += ["--worker-extension-cls", WORKER_EXTENSION]
+        if c.return_routed_experts:
+            args += ["--enable-return-routed-experts"]
         args += list(c.extra_args)
         env = self._server_env()
         env["VLLM_SERVER_DEV_MODE"] = "1"
+        if c.return_routed_experts:
+            env["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # vLLM returns routed experts from its V2 model runner only
         env["VLLM_CPU_KVCACHE_SPACE"] = str(c.kv_cache_gib)
         if c.omp_threads_bind:
             env["VLLM_CPU_OMP_THREADS_BIND"] = c.omp_threads_bind
@@ -380,6 +398,10 @@ class VLLMEngine(ServerEngine):
                         seq.logprobs.extend(float(c["logprob"]) for c in content)
                         seq.versions.extend([version] * len(ids))
                         self.stats.tokens_generated += len(ids)
+                    if choice.get("routed_experts") and not live.aborted and not live.interrupted:
+                        # every token this request fed (its prompt: the sequence so far), as one forward routed
+                        # them: replaces what an interrupted earlier request of the sequence returned
+                        seq.routes = [routed_experts(choice["routed_experts"])]
                     if choice.get("finish_reason"):
                         return choice["finish_reason"]
         return ""

@@ -12,6 +12,7 @@ from typing import Any
 from services.common.bus import InvalidMessage
 from services.common.contracts import data_pb2
 from services.common.ids import now
+from services.common.moe_routing import to_proto
 from services.rollout.engines.base import MAX_SAMPLES
 from services.rollout.engines.sequence import Sampling, Sequence
 
@@ -73,6 +74,7 @@ def to_trajectories(work: data_pb2.PromptWork, seqs: list[Sequence]) -> list[dat
             behavior_logprobs=seq.logprobs, versions=seq.versions, loss_mask=[1] * len(seq.output_ids),
             finish_reason=seq.finish_reason, created_at=work.issued_at, generated_at=finished,
             source="workflow", grading=work.grading, split=work.split, sampling=sampled,
+            routed_experts=to_proto(seq.routes, len(work.prompt_ids) + len(seq.output_ids)),
         )
         for i, seq in enumerate(seqs)
     ]

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from services.common.device import host_copy
+from services.common.errors import FieldError
 from services.trainer.backends import group
 from services.trainer.backends.shards import RowShards
 from services.trainer.backends.torch_backend import TorchBackend, check_written_for
@@ -100,6 +101,19 @@ class MegatronBackend(TorchBackend):
 
         experts = ps.get_expert_tensor_and_model_parallel_group() if self.config.megatron.ep > 1 else None
         return MegatronCausalLM(gpt, self.spec.vocab_size, experts)
+
+    def replay_routes(self):
+        """megatron-core's routers, replaying the rollout's experts through their `router_replay` hook."""
+        from services.common.moe_routing import register
+        from services.trainer.megatron.routing import MegatronRoutes
+
+        try:
+            routes = MegatronRoutes(self.model.gpt)
+        except ValueError as exc:
+            raise FieldError("routing_replay", str(exc)) from None
+        self.model.routes = routes
+        register(self.model, routes)
+        return routes
 
     def clip_grads(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         return self.grads.clip(params, max_norm)

@@ -16,6 +16,7 @@ from services.common.cpu_features import describe, native_bf16
 from services.common.device import host_copy, resolve_device
 from services.common.errors import FieldError
 from services.common.logging import get_logger
+from services.common.moe_routing import routers_of
 from services.trainer.backends.base import TrainerBackend
 from services.trainer.batching import PackedBatch
 from services.trainer.checkpoint import read_state, save_checkpoint
@@ -48,6 +49,7 @@ class TorchBackend(TrainerBackend):
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         self.model = self.prepare(config.lora.build(self.load_policy()))
         self.merged = MergedWeights(self.model) if is_lora(self.model) else None
+        self.routers = self.replay_routes() if config.routing_replay else None
         self.optimizer, self.schedule = config.optim.build(self.model, total_steps=config.total_steps)
         self.critic = config.critic.build(config.model_path, total_steps=config.total_steps) \
             if self.algo.needs_critic else None
@@ -63,6 +65,13 @@ class TorchBackend(TrainerBackend):
         self.last_phases: dict[str, float] = {}  # phase_<name>_seconds of the last step (not in its metrics)
         self.optimizer.register_step_pre_hook(self._optimizer_started)
         self.optimizer.register_step_post_hook(self._optimizer_done)
+
+    def replay_routes(self):
+        """The policy's routers, hooked for MoE routing replay (ValueError for a model without routers)."""
+        try:
+            return routers_of(self.model)
+        except ValueError as exc:
+            raise FieldError("routing_replay", str(exc)) from None
 
     def resolve_device(self) -> torch.device:
         return resolve_device(self.config.device)
@@ -94,6 +103,8 @@ class TorchBackend(TrainerBackend):
                                  schedule=self.schedule, critic=self.critic, reference=self.reference,
                                  sft_min_reward=self.config.sft_min_reward, phases=phases, shards=self.shards,
                                  clip=self.clip_grads, forwards=self.forwards)
+        if self.routers is not None:
+            metrics.update(self.routers.take_stats())
         self.refresh_weights()
         optimizer = self.optimizer_seconds - optimizer_before  # the update splits into backward and optimizer step
         phases.update(optimizer=optimizer, backward=max(0.0, phases.pop("update", 0.0) - optimizer))

@@ -29,6 +29,7 @@ class MegatronCausalLM(torch.nn.Module):
         self.gpt = gpt
         self.vocab_size = vocab_size
         self.expert_group = expert_group
+        self.routes = None  # MoE routing replay (megatron/routing.py): laid out for each forward's shape
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, use_cache: bool = False,
                 **_) -> types.SimpleNamespace:
@@ -40,6 +41,12 @@ class MegatronCausalLM(torch.nn.Module):
             dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=self.expert_group)
             shape = reduced.tolist()
         shape[1] = sequence_width(self.gpt.config, shape[1])
+        if self.routes is not None:
+            from megatron.core import parallel_state as ps
+
+            sp = (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()) \
+                if self.gpt.config.sequence_parallel else None
+            self.routes.lay_out(rows, width, shape, sp)
         if shape == [rows, width]:
             return types.SimpleNamespace(logits=self._logits(input_ids))
         # right padding: under the causal mask no real position sees it; its logits are dropped

@@ -112,7 +112,7 @@ class ShapingTerm(_message.Message):
     def __init__(self, name: _Optional[str] = ..., options: _Optional[bytes] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("trajectory_id", "group_id", "task_id", "work_id", "group_size", "prompt_ids", "completion_ids", "behavior_logprobs", "versions", "loss_mask", "reward", "scored", "finish_reason", "created_at", "generated_at", "scored_at", "source", "metadata", "split", "verifier", "step_rewards", "sampling", "grading")
+    __slots__ = ("trajectory_id", "group_id", "task_id", "work_id", "group_size", "prompt_ids", "completion_ids", "behavior_logprobs", "versions", "loss_mask", "reward", "scored", "finish_reason", "created_at", "generated_at", "scored_at", "source", "metadata", "split", "verifier", "step_rewards", "sampling", "grading", "routed_experts")
     TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class Trajectory(_message.Message):
     STEP_REWARDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     GRADING_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     trajectory_id: str
     group_id: str
     task_id: str
@@ -159,7 +160,18 @@ class Trajectory(_message.Message):
     step_rewards: _containers.RepeatedCompositeFieldContainer[StepReward]
     sampling: SamplingParams
     grading: Grading
-    def __init__(self, trajectory_id: _Optional[str] = ..., group_id: _Optional[str] = ..., task_id: _Optional[str] = ..., work_id: _Optional[str] = ..., group_size: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., completion_ids: _Optional[_Iterable[int]] = ..., behavior_logprobs: _Optional[_Iterable[float]] = ..., versions: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., scored: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., created_at: _Optional[float] = ..., generated_at: _Optional[float] = ..., scored_at: _Optional[float] = ..., source: _Optional[str] = ..., metadata: _Optional[bytes] = ..., split: _Optional[str] = ..., verifier: _Optional[str] = ..., step_rewards: _Optional[_Iterable[_Union[StepReward, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., grading: _Optional[_Union[Grading, _Mapping]] = ...) -> None: ...
+    routed_experts: RoutedExperts
+    def __init__(self, trajectory_id: _Optional[str] = ..., group_id: _Optional[str] = ..., task_id: _Optional[str] = ..., work_id: _Optional[str] = ..., group_size: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., completion_ids: _Optional[_Iterable[int]] = ..., behavior_logprobs: _Optional[_Iterable[float]] = ..., versions: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., scored: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., created_at: _Optional[float] = ..., generated_at: _Optional[float] = ..., scored_at: _Optional[float] = ..., source: _Optional[str] = ..., metadata: _Optional[bytes] = ..., split: _Optional[str] = ..., verifier: _Optional[str] = ..., step_rewards: _Optional[_Iterable[_Union[StepReward, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., grading: _Optional[_Union[Grading, _Mapping]] = ..., routed_experts: _Optional[_Union[RoutedExperts, _Mapping]] = ...) -> None: ...
+
+class RoutedExperts(_message.Message):
+    __slots__ = ("indices", "layers", "top_k")
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    indices: bytes
+    layers: int
+    top_k: int
+    def __init__(self, indices: _Optional[bytes] = ..., layers: _Optional[int] = ..., top_k: _Optional[int] = ...) -> None: ...
 
 class StepReward(_message.Message):
     __slots__ = ("end", "reward")

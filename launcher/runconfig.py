@@ -212,6 +212,7 @@ class RunConfig:
             _set(values[follower], key, value)
         configs.update({s: build_config(config_class(s), values[s], f"services.{s}") for s in SERVICES
                         if s != "builder"})
+        configs["rollout"] = _adapter_sync(configs["trainer"], configs["rollout"], sections["rollout"])
         if configs["builder"].dataset.preference and configs["trainer"].algorithm_config().objective != "dpo":
             raise ConfigError("services.trainer.algo", f"the dataset's rows are preference pairs (dataset.preference): "
                               f"they train a pairwise preset (dpo), not {configs['trainer'].algo!r}")
@@ -240,6 +241,24 @@ class RunConfig:
         from services.trainer.algorithms.presets import dynamic_sampling  # imports torch: only when deriving
 
         return dynamic_sampling(trainer.get("algo", "grpo"), trainer.get("algo_overrides") or {})
+
+
+def _adapter_sync(trainer: Any, rollout: Any, section: dict[str, Any]) -> Any:
+    """`trainer.lora.sync: adapter`: the engine takes the adapters, with the trainer's r, alpha and targets (set
+    once, in the trainer's section)."""
+    lora = trainer.lora
+    if not (lora.enabled and lora.sync == "adapter"):
+        return rollout
+    if (section.get("engine") or {}).get("lora"):
+        raise ConfigError("services.rollout.engine.lora", "follows services.trainer.lora (sync: adapter); "
+                          "set r, alpha and target_modules there only")
+    from services.rollout.engines.lora_merge import AdapterConfig
+
+    adapters = AdapterConfig(r=lora.r, alpha=lora.alpha, target_modules=list(lora.target_modules))
+    try:
+        return dataclasses.replace(rollout, engine=dataclasses.replace(rollout.engine, lora=adapters))
+    except ValueError as exc:
+        raise ConfigError("services.trainer.lora.sync", str(exc)) from None
 
 
 @dataclasses.dataclass

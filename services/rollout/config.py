@@ -40,6 +40,9 @@ class RolloutEngineConfig(EngineConfig):
             raise FieldError("engine.kind", f"must be one of {', '.join(ENGINE_KINDS)}, got {self.kind!r}")
         if self.kind == "vllm_ascend":
             check_ascend_device(self.device)
+        if self.lora.enabled and self.kind != "embedded":
+            raise FieldError("engine.lora", f"LoRA adapters are merged by the embedded engine; the {self.kind} "
+                                            f"engine takes merged weights (trainer lora.sync: merged)")
         if self.record_routes and self.kind not in ("embedded", "vllm"):
             raise FieldError("engine.record_routes", f"routed experts are recorded by the embedded and vllm engines; "
                                                      f"the {self.kind} engine here does not return them")

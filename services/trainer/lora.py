@@ -15,6 +15,7 @@ import torch
 from services.common.errors import FieldError
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_SYNCS = ("merged", "adapter")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -24,8 +25,13 @@ class LoraConfig:
     alpha: float = 16.0
     dropout: float = 0.0
     target_modules: list[str] = dataclasses.field(default_factory=lambda: list(DEFAULT_TARGETS))
+    # what the weight sync sends: merged (every weight, adapters merged in: any engine) | adapter (the adapters' A
+    # and B only; the embedded engine merges them, its engine.lora set from these settings by the run file)
+    sync: str = "merged"
 
     def __post_init__(self) -> None:
+        if self.sync not in LORA_SYNCS:
+            raise FieldError("lora.sync", f"must be one of {', '.join(LORA_SYNCS)}, got {self.sync!r}")
         if self.r < 1:
             raise FieldError("lora.r", f"must be >= 1, got {self.r}")
         if self.alpha <= 0:
@@ -82,3 +88,17 @@ class MergedWeights:
         for name, layer in self._layers.items():
             self.tensors[name].copy_(self._merged(layer))
         return self.tensors
+
+
+def adapter_tensors(model: torch.nn.Module, adapter: str = "default") -> dict[str, torch.Tensor]:
+    """The adapters under canonical names (``<module>.lora_A.weight`` [r, in], ``<module>.lora_B.weight`` [out, r]),
+    aliasing the trained parameters: what ``lora.sync: adapter`` sends (the receiver merges them with
+    alpha / r, services/rollout/engines/lora_merge.py)."""
+    from peft.tuners.lora import LoraLayer
+
+    out: dict[str, torch.Tensor] = {}
+    for name, m in model.get_base_model().named_modules():
+        if isinstance(m, LoraLayer):
+            out[f"{name}.lora_A.weight"] = m.lora_A[adapter].weight.detach()
+            out[f"{name}.lora_B.weight"] = m.lora_B[adapter].weight.detach()
+    return out

@@ -34,6 +34,7 @@ from services.common.errors import FieldError
 from services.common.logging import get_logger
 from services.common.torch_threads import fix_torch_threads
 from services.rollout.engines.base import EngineStats, EngineUnhealthy, check_request
+from services.rollout.engines.lora_merge import AdapterConfig, AdapterMerge
 from services.rollout.engines.runner import ModelRunner
 from services.rollout.engines.scheduler import Scheduler, Step
 from services.rollout.engines.sequence import Sampling, Sequence, Status
@@ -55,6 +56,7 @@ class EngineConfig:
     prepack: bool = True         # CPU: linear layers run on oneDNN-prepacked copies of their weights (faster, 2x memory)
     prefix_cache_mb: int = 512   # KV of prompt prefixes kept across requests (LRU, cleared at weight updates); 0: off
     record_routes: bool = False  # MoE routing replay: each token's routed experts travel with its trajectory
+    lora: AdapterConfig = dataclasses.field(default_factory=AdapterConfig)  # r > 0: weight syncs send LoRA adapters
 
     def __post_init__(self) -> None:
         check_device(self.device)
@@ -77,7 +79,7 @@ class EngineConfig:
                               max_batch=self.max_batch, max_context=self.max_context, seed=self.seed,
                               version=self.initial_version, prepack=self.prepack,
                               torch_threads=self.torch_threads, prefix_cache_bytes=self.prefix_cache_mb << 20,
-                              record_routes=self.record_routes)
+                              record_routes=self.record_routes, lora=self.lora)
         get_logger().info("engine_built", dtype=self.dtype, device=str(device), linear_path=engine.runner.linear_path,
                           **(describe() if device.type == "cpu" else {}))
         return engine
@@ -88,7 +90,8 @@ class EmbeddedEngine:
 
     def __init__(self, model: PreTrainedModel, *, eos_token_id: int, pad_token_id: int, max_batch: int,
                  max_context: int, seed: int, version: int = 0, prepack: bool = True,
-                 torch_threads: int = 1, prefix_cache_bytes: int = 0, record_routes: bool = False) -> None:
+                 torch_threads: int = 1, prefix_cache_bytes: int = 0, record_routes: bool = False,
+                 lora: AdapterConfig | None = None) -> None:
         self.model = model
         self.version = version
         self.scheduler = Scheduler(max_batch=max_batch, eos_token_id=eos_token_id, max_context=max_context)
@@ -96,6 +99,8 @@ class EmbeddedEngine:
         self.runner = ModelRunner(model, pad_token_id=pad_token_id, seed=seed, prepack=prepack,
                                   prefix_cache_bytes=prefix_cache_bytes, record_routes=record_routes)
         self.stats = EngineStats()
+        # LoRA adapters as the weights: the sync fills their buffers, resume merges them into the weights
+        self.adapters = AdapterMerge(model, lora) if lora is not None and lora.enabled else None
         self.torch_threads = torch_threads
         self._cv = threading.Condition()
         self._pause_requests = 0
@@ -133,6 +138,9 @@ class EmbeddedEngine:
         return self._paused
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
+        """What a weight sync writes: the model's parameters, or with LoRA adapters (engine.lora) those."""
+        if self.adapters is not None:
+            return dict(self.adapters.tensors)
         return dict(self.model.named_parameters())
 
     def weight_receiver_args(self) -> dict[str, Any]:
@@ -209,6 +217,8 @@ class EmbeddedEngine:
                     self.stats.weight_updates += 1
                     self.stats.interrupted_sequences += len(self.scheduler.running)
                 self.version = version
+                if self.adapters is not None:
+                    self.adapters.merge()
                 self.scheduler.invalidate()
                 self.runner.weights_changed()  # prepacked copies of the weights are rebuilt before the next step
             self._pause_requests = max(0, self._pause_requests - 1)

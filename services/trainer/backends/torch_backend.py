@@ -21,7 +21,7 @@ from services.trainer.backends.base import TrainerBackend
 from services.trainer.batching import PackedBatch
 from services.trainer.checkpoint import read_state, save_checkpoint
 from services.trainer.config import TrainerConfig
-from services.trainer.lora import MergedWeights, is_lora
+from services.trainer.lora import MergedWeights, adapter_tensors, is_lora
 from services.trainer.packing import packed_forwards
 from services.trainer.reference import check_teacher_tokenizer
 from services.trainer.step import train_step
@@ -49,6 +49,9 @@ class TorchBackend(TrainerBackend):
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         self.model = self.prepare(config.lora.build(self.load_policy()))
         self.merged = MergedWeights(self.model) if is_lora(self.model) else None
+        # lora.sync adapter: the weight sync sends the adapters alone (aliases of the trained parameters)
+        self.adapters = adapter_tensors(self.model) if self.merged is not None and config.lora.sync == "adapter" \
+            else None
         self.routers = self.replay_routes() if config.routing_replay else None
         self.optimizer, self.schedule = config.optim.build(self.model, total_steps=config.total_steps)
         self.critic = config.critic.build(config.model_path, total_steps=config.total_steps) \
@@ -122,7 +125,10 @@ class TorchBackend(TrainerBackend):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """LoRA: merged copies refreshed by ``step``; else the parameters themselves."""
+        """What the weight sync sends. LoRA: merged copies refreshed by ``step`` (``lora.sync: adapter``: the
+        adapters alone); else the parameters themselves."""
+        if self.adapters is not None:
+            return self.adapters
         if self.merged is not None:
             return self.merged.tensors
         return dict(self.model.named_parameters())

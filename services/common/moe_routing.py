@@ -37,7 +37,30 @@ def is_router(module: torch.nn.Module) -> bool:
             and isinstance(getattr(module, "num_experts", None), int))
 
 
-class RouterSet:
+class ReplayCounts:
+    """What every router replay (RouterSet here, megatron/routing.py's MegatronRoutes) shares: the check of the
+    targets it is given and the counts `replayed_indices` keeps."""
+
+    layers: int
+    top_k: int
+    replayed = 0   # token x layer choices replayed since the last take_stats()
+    differed = 0   # ... where the model's own top-k set was another one
+
+    def check_targets(self, targets: torch.Tensor) -> None:
+        if targets.dim() != 3 or tuple(targets.shape[1:]) != (self.layers, self.top_k):
+            raise ValueError(f"routed_experts: recorded for {tuple(targets.shape[1:])} (layers, top_k), the model "
+                             f"routes {self.layers} layers x top-{self.top_k}")
+
+    def take_stats(self) -> dict[str, float]:
+        """Replay counters since the last call: routing_replayed (token x layer choices) and routing_differed
+        (the fraction of those where the trainer's own routing chose another set of experts)."""
+        out = {"routing_replayed": float(self.replayed),
+               "routing_differed": self.differed / self.replayed if self.replayed else 0.0}
+        self.replayed = self.differed = 0
+        return out
+
+
+class RouterSet(ReplayCounts):
     """The routers of one model, in layer order, hooked for recording and replay."""
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -45,20 +68,15 @@ class RouterSet:
         if not self.routers:
             raise ValueError(f"routing_replay: {type(model).__name__} has no MoE router this replay knows (a module "
                              f"named *Router with top_k and num_experts: Qwen2/3-MoE, Mixtral, OLMoE, ...)")
-        tops = {m.top_k for m in self.routers}
+        tops: set[int] = {getattr(m, "top_k") for m in self.routers}  # noqa: B009 - an int (is_router checked)
         assert len(tops) == 1, f"routers with different top_k {tops}"
         self.top_k = tops.pop()
+        self.layers = len(self.routers)
         self.num_experts = self.routers[0].num_experts
         for layer, router in enumerate(self.routers):
             _proxy_torch(sys.modules[type(router).__module__])
             router.register_forward_pre_hook(lambda _m, _a, layer=layer: setattr(_state, "layer", layer))
             router.register_forward_hook(lambda *_: setattr(_state, "layer", None))
-        self.replayed = 0    # token x layer choices replayed since the last take_stats()
-        self.differed = 0    # ... where the model's own top-k set was another one
-
-    @property
-    def layers(self) -> int:
-        return len(self.routers)
 
     @contextlib.contextmanager
     def record(self) -> Iterator[list[list[torch.Tensor]]]:
@@ -74,22 +92,12 @@ class RouterSet:
     def replay(self, targets: torch.Tensor) -> Iterator[None]:
         """Within: each router forward of N tokens takes `targets` [N, layers, top_k] (int, -1: the model's own
         choice for that token) as its chosen experts. N is the flattened batch (rows x positions)."""
-        if targets.dim() != 3 or tuple(targets.shape[1:]) != (self.layers, self.top_k):
-            raise ValueError(f"routed_experts: recorded for {tuple(targets.shape[1:])} (layers, top_k), the model "
-                             f"routes {self.layers} layers x top-{self.top_k}")
+        self.check_targets(targets)
         _state.recording, _state.targets, _state.owner = None, targets, self
         try:
             yield
         finally:
             _state.targets = None
-
-    def take_stats(self) -> dict[str, float]:
-        """Replay counters since the last call: routing_replayed (token x layer choices) and routing_differed
-        (the fraction of those where the trainer's own routing chose another set of experts)."""
-        out = {"routing_replayed": float(self.replayed),
-               "routing_differed": self.differed / self.replayed if self.replayed else 0.0}
-        self.replayed = self.differed = 0
-        return out
 
 
 def routers_of(model: torch.nn.Module) -> RouterSet:
@@ -114,9 +122,6 @@ def replaying(model: torch.nn.Module) -> RouterSet | None:
 def _replay_topk(probs: torch.Tensor, k: int, layer: int) -> torch.return_types.topk:
     targets = _state.targets
     own = _TORCH.topk(probs, k, dim=-1)
-    if targets.shape[0] != probs.shape[0]:
-        raise RuntimeError(f"routing replay: {targets.shape[0]} routed tokens for a router forward of "
-                           f"{probs.shape[0]}")
     indices = replayed_indices(own.indices, targets[:, layer], _state.owner)
     return torch.return_types.topk((probs.gather(-1, indices), indices))
 
@@ -125,6 +130,9 @@ def replayed_indices(own: torch.Tensor, recorded: torch.Tensor, counts) -> torch
     """The experts [N, top_k] a router forward routes by: `recorded` (int, -1: none) where a token has a record,
     the router's `own` choice elsewhere. `counts.replayed` / `counts.differed` (RouterSet, MegatronRoutes) grow by
     the tokens replayed and those of them whose own choice was another set of experts."""
+    if recorded.shape[0] != own.shape[0]:
+        raise RuntimeError(f"routing replay: {recorded.shape[0]} routed tokens for a router forward of "
+                           f"{own.shape[0]}")
     chosen = recorded.to(device=own.device, dtype=torch.long)
     given = (chosen >= 0).all(-1, keepdim=True)
     indices = torch.where(given, chosen, own)

@@ -16,10 +16,10 @@ from collections.abc import Iterator
 
 import torch
 
-from services.common.moe_routing import replayed_indices
+from services.common.moe_routing import ReplayCounts, replayed_indices
 
 
-class MegatronRoutes:
+class MegatronRoutes(ReplayCounts):
     """The replay interface `services.trainer.forward` uses (`replay(targets)`, `take_stats()`), for the routers of
     one megatron-core GPTModel holding every layer (no pipeline stages)."""
 
@@ -35,13 +35,10 @@ class MegatronRoutes:
             router.router_replay = _LayerReplay(self, index)
         self.targets: torch.Tensor | None = None  # [b * s, layers, top_k] as the trainer's rows hold them
         self.local: torch.Tensor | None = None    # ... as this rank's routers see them (MegatronCausalLM.forward)
-        self.replayed = self.differed = 0
 
     @contextlib.contextmanager
     def replay(self, targets: torch.Tensor) -> Iterator[None]:
-        if targets.dim() != 3 or tuple(targets.shape[1:]) != (self.layers, self.top_k):
-            raise ValueError(f"routed_experts: recorded for {tuple(targets.shape[1:])} (layers, top_k), the model "
-                             f"routes {self.layers} layers x top-{self.top_k}")
+        self.check_targets(targets)
         self.targets = targets
         try:
             yield
@@ -63,12 +60,6 @@ class MegatronRoutes:
             grid = grid[rank * chunk:(rank + 1) * chunk]
         self.local = grid.reshape(-1, self.layers, self.top_k)
 
-    def take_stats(self) -> dict[str, float]:
-        out = {"routing_replayed": float(self.replayed),
-               "routing_differed": self.differed / self.replayed if self.replayed else 0.0}
-        self.replayed = self.differed = 0
-        return out
-
 
 class _LayerReplay:
     def __init__(self, routes: MegatronRoutes, layer: int) -> None:
@@ -79,8 +70,5 @@ class _LayerReplay:
         local = self.routes.local
         if local is None:
             return own
-        if local.shape[0] != scores.shape[0]:
-            raise RuntimeError(f"routing replay: {local.shape[0]} routed tokens for a router forward of "
-                               f"{scores.shape[0]}")
         indices = replayed_indices(own[1], local[:, self.layer], self.routes)
         return scores.gather(1, indices), indices

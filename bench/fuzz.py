@@ -508,6 +508,24 @@ def trajectory(draw):
 
 
 @st.composite
+def trajectory_group(draw):
+    """A group message (traj.raw / traj.scored): members of one group, some corrupt; or members of two groups, a
+    member twice, a group id that is not theirs, no members at all."""
+    from services.common.contracts import data_pb2
+
+    members = [draw(trajectory()) if draw(st.booleans()) else draw(valid_trajectory())
+               for _ in range(draw(st.integers(1, 4)))]
+    group_id = members[0].group_id
+    if draw(st.booleans()):
+        for m in members:
+            m.group_id = group_id
+    if draw(st.integers(0, 7)) == 0:
+        members.append(members[0])
+    message = data_pb2.TrajectoryGroup(group_id=group_id, trajectories=members)
+    return draw(corrupt(message, {"group_id": bad_id, "trajectories": st.just([])}))
+
+
+@st.composite
 def training_batch(draw):
     from services.common.contracts import data_pb2
 
@@ -534,7 +552,8 @@ def bus_message(draw, proto, type_name: str):
     elif kind == 3:
         data = data + draw(proto).SerializeToString()  # a merge of two messages
     elif kind == 4:
-        header = draw(st.sampled_from(["meshrl.v1.Trajectory", "meshrl.v1.PromptWork", "", "x"]))
+        header = draw(st.sampled_from(["meshrl.v1.Trajectory", "meshrl.v1.TrajectoryGroup", "meshrl.v1.PromptWork",
+                                       "", "x"]))
     elif kind == 5:
         header = None
     return data, header
@@ -607,6 +626,7 @@ async def settle(decode: Callable, handle: Callable, msg: FuzzMsg, *, manual_ack
 
 
 def fuzz_bus(target: str, cases: int, seed: int) -> Tally:
+    from services.common import trajectory_groups
     from services.common.bus import decoder
     from services.common.contracts import data_pb2
 
@@ -638,12 +658,12 @@ def fuzz_bus(target: str, cases: int, seed: int) -> Tally:
         scorer = Scorer(lambda ids: tok.decode(ids, skip_special_tokens=True), "math", timeout_s=10.0,
                         vocab_size=padded_vocab_size(tok), pool=pool)
 
-        async def handle(traj) -> None:  # the reward service's handler: score, publish traj.scored
-            scored = await scorer.score_async(traj)
-            await bus.publish("traj.scored", scored, scored.trajectory_id)
+        async def handle(group) -> None:  # the reward service's handler: score the group, publish it on traj.scored
+            await trajectory_groups.publish(bus, "traj.scored", await scorer.score_group_async(group.trajectories))
 
-        decode, manual = decoder(data_pb2.Trajectory), False
-        strategy = bus_message(trajectory(), "meshrl.v1.Trajectory")
+        decode, manual = trajectory_groups.decode, False
+        strategy = st.one_of(bus_message(trajectory(), "meshrl.v1.Trajectory"),
+                             bus_message(trajectory_group(), "meshrl.v1.TrajectoryGroup"))
         subject = "traj.raw"
     elif target == "traj.scored":
         from services.builder.config import BuilderConfig
@@ -656,8 +676,9 @@ def fuzz_bus(target: str, cases: int, seed: int) -> Tally:
         builder.ledger.kv = bus
         builder.budget.in_flight = 10**9  # a builder in a run: workflow groups g-* were issued (its budget asserts so)
         builder.live.set()
-        decode, handle, manual = decoder(data_pb2.Trajectory), builder.handle_scored, True
-        strategy = bus_message(trajectory(), "meshrl.v1.Trajectory")
+        decode, handle, manual = trajectory_groups.decode, builder.handle_group, True
+        strategy = st.one_of(bus_message(trajectory(), "meshrl.v1.Trajectory"),
+                             bus_message(trajectory_group(), "meshrl.v1.TrajectoryGroup"))
         subject = "traj.scored"
     elif target == "batches":
         import torch

@@ -228,8 +228,8 @@ def cpu_snapshot(replicas: list[Replica], nats: NatsServer) -> dict[str, float]:
 
 async def measure(bus, replicas: list[Replica], nats: NatsServer, verifier: str, trajectories: list,
                   timeout: float) -> dict:
+    from services.common import trajectory_groups
     from services.common.bus import SUBJECT_TRAJ_RAW, SUBJECT_TRAJ_SCORED
-    from services.common.contracts import data_pb2
 
     wanted = {t.trajectory_id for t in trajectories}
     seen: dict[str, float] = {}
@@ -237,20 +237,23 @@ async def measure(bus, replicas: list[Replica], nats: NatsServer, verifier: str,
     done = asyncio.Event()
 
     async def on_scored(msg) -> None:
-        traj = data_pb2.Trajectory.FromString(msg.data)
-        if traj.trajectory_id in wanted and traj.trajectory_id not in seen:
-            seen[traj.trajectory_id] = traj.reward
-            if not first_scored:
-                first_scored.append(time.perf_counter())
-            if len(seen) == len(wanted):
-                done.set()
+        for traj in trajectory_groups.decode(msg).trajectories:
+            if traj.trajectory_id in wanted and traj.trajectory_id not in seen:
+                seen[traj.trajectory_id] = traj.reward
+                if not first_scored:
+                    first_scored.append(time.perf_counter())
+                if len(seen) == len(wanted):
+                    done.set()
 
     sub = await bus.nc.subscribe(SUBJECT_TRAJ_SCORED, cb=on_scored, pending_msgs_limit=1 << 20)
     await bus.nc.flush()
     before_scored = await scored_counts(replicas)
     cpu0 = cpu_snapshot(replicas, nats)
     t0 = time.perf_counter()
-    await asyncio.gather(*(bus.publish(SUBJECT_TRAJ_RAW, t, t.trajectory_id) for t in trajectories))
+    groups: dict[str, list] = {}
+    for t in trajectories:
+        groups.setdefault(t.group_id, []).append(t)
+    await asyncio.gather(*(trajectory_groups.publish(bus, SUBJECT_TRAJ_RAW, members) for members in groups.values()))
     published = time.perf_counter()
     try:
         await asyncio.wait_for(done.wait(), timeout)

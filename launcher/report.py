@@ -155,6 +155,9 @@ def write_report(stack, events: EventLog, run_dir: pathlib.Path, *, eta: int, ag
         "final_checkpoint": next((c["checkpoint_path"] for c in reversed(events.of("checkpoint"))), None),
         "status": status,
     }
+    cpu = stack.cpu_seconds() if hasattr(stack, "cpu_seconds") else None  # a remote stack's are not ours to read
+    if cpu:  # where the run's CPU went, start-up included: the services' processes (with their children), nats
+        summary["cpu_seconds"] = {**cpu, "total": round(sum(cpu.values()), 2)}
     if events.accuracy_warning:
         summary["warnings"] = [events.accuracy_warning]
     if agents:

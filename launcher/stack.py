@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from launcher import preflight
 from launcher.agents import AgentDriver
+from launcher.cpu import tree_cpu_seconds
 from launcher.frozen import FrozenModel, FrozenModels
 from launcher.processes import NatsCluster, NatsServer, TrainerRanks, free_port, popen
 from launcher.report import EventLog, write_report
@@ -191,6 +192,17 @@ class Stack:
     def procs(self) -> dict[str, subprocess.Popen]:
         """Each started service's current process (the dead one while it waits for its restart)."""
         return {s: self.supervisor.proc(s) for s in SERVICES if s in self.supervisor.names}
+
+    def cpu_seconds(self) -> dict[str, float] | None:
+        """CPU-seconds each service's current process (with its children: trainer ranks, verifier workers,
+        sandboxes) and the nats-server(s) have spent so far; None off Linux."""
+        pids = {name: proc.pid for name, proc in self.procs.items() if proc is not None and proc.poll() is None}
+        pids.update((f"trainer-rank{k}", proc.pid) for k, proc in enumerate(
+            self.trainer_ranks.followers if self.trainer_ranks is not None else [], start=1) if proc.poll() is None)
+        nodes = self.nats.nodes if isinstance(self.nats, NatsCluster) else [self.nats]
+        pids.update((f"nats{k or ''}", node.proc.pid) for k, node in enumerate(nodes)
+                    if node.proc is not None and node.proc.poll() is None)
+        return tree_cpu_seconds(pids)
 
     @property
     def restarts(self) -> dict[str, int]:

@@ -72,7 +72,7 @@ class GroupAssembler:
         group = self.known.get(traj.group_id)
         if group is None:
             group = self.open[traj.group_id] = self.known[traj.group_id] = Group(traj.group_id, traj.group_size)
-        if ack is not None:
+        if ack is not None and not any(a is ack for a in group.acks):  # a group message holds several members
             group.acks.append(ack)
         if traj.trajectory_id in group.members or group.complete:
             self.duplicates += 1

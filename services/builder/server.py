@@ -22,7 +22,7 @@ from services.builder.evaluation import EvalRound, EvalTracker
 from services.builder.grouping import Group, GroupAssembler, assemble_batch, check_rewards, reward_varies
 from services.builder.ledger import NO_VARIANCE, Batched, Dropped, IssuedEval, Ledger, merge_batches
 from services.builder.tasks import make_pair, make_work
-from services.common import grading
+from services.common import grading, trajectory_groups
 from services.common.batches import BatchConflict, prune_blobs, publish_batch, published_batches
 from services.common.bus import (
     CONSUMERS,
@@ -227,8 +227,7 @@ class Builder:
         (or by a restarted builder's recovery: this failure ends the issue loop, and with it the builder)."""
         self.unpublished = work
         if isinstance(work, list):   # the ids dedupe a republished pair
-            for traj in work:
-                await self.bus.publish(SUBJECT_TRAJ_SCORED, traj, traj.trajectory_id)
+            await trajectory_groups.publish(self.bus, SUBJECT_TRAJ_SCORED, work)
         else:
             await self.bus.publish(SUBJECT_PROMPTS, work, work.work_id)
         self.unpublished = None
@@ -253,36 +252,40 @@ class Builder:
 
     # consuming ----------------------------------------------------------------------------------------
     async def handle_scored(self, traj: data_pb2.Trajectory, msg) -> None:
-        if not traj.trajectory_id or not traj.group_id:
+        """One scored trajectory alone: a group message of one."""
+        await self.handle_group(trajectory_groups.of([traj]), msg)
+
+    async def handle_group(self, message: data_pb2.TrajectoryGroup, msg) -> None:
+        """A group message from traj.scored (all of a group's members, or some of them when it was split): every
+        member is checked before any is held; `msg` is acked once the group is batched, dropped or, for an eval
+        result, its round's event is out."""
+        trajs = list(message.trajectories)
+        if not trajs or not all(t.trajectory_id and t.group_id for t in trajs):
             raise InvalidMessage("trajectory_id / group_id: missing")
         await self.live.wait()
-        if traj.source == "workflow" and traj.split == "train" and not self._issued_here(traj.group_id):
-            raise InvalidMessage(f"group_id: {traj.group_id!r} was never issued by this builder")
-        try:
-            check_rewards(traj, self.config.max_abs_reward)
-        except ValueError as exc:
-            raise InvalidMessage(str(exc)) from exc
-        if traj.split == "eval":
-            await self._record_eval(traj, msg)
+        for traj in trajs:
+            self._check_scored(traj)
+        first = trajs[0]
+        if first.split == "eval":
+            for traj in trajs:
+                await self._record_eval(traj, msg)
             return
-        mismatch = temperature_mismatch(traj, self.config.sampling.temperature)
-        if mismatch:
-            raise InvalidMessage(mismatch)
-        if traj.group_id in self.consumed_groups:
+        if first.group_id in self.consumed_groups:
             await msg.ack()  # a redelivery of a group already batched or dropped
             return
-        try:
-            check_step_rewards(traj)
-            group = self.assembler.add(traj, ack=msg)
-        except ValueError as exc:
-            raise InvalidMessage(str(exc)) from exc
+        group = None
+        for traj in trajs:
+            try:
+                group = self.assembler.add(traj, ack=msg) or group
+            except ValueError as exc:
+                raise InvalidMessage(str(exc)) from exc
         if group is None:
             if len(self.assembler.ready) >= self.config.batch_size:
                 await self.flush_batches()  # a failed flush left them there: this redelivery retries it
             return
         self.received += len(group.members)
         self.reward_sum += sum(t.reward for t in group.members.values())
-        if traj.source == "workflow":
+        if first.source == "workflow":
             if group.group_id not in self.counted:
                 self.counted[group.group_id] = "complete"
                 self.budget.on_complete(accepted=True)
@@ -290,11 +293,30 @@ class Builder:
             self.online.arrived += 1
         if group.group_id in self.dropping:
             return  # handle_dead_letter is writing its drop (which settles it as complete): not filtered too
-        if traj.source == "workflow" and self.config.dynamic_sampling and not reward_varies(group):
+        if first.source == "workflow" and self.config.dynamic_sampling and not reward_varies(group):
             await self._filter(group)
             return
         await self.flush_batches()
         self.changed.set()
+
+    def _check_scored(self, traj: data_pb2.Trajectory) -> None:
+        """InvalidMessage naming the field when this scored trajectory can never be trained or recorded."""
+        if traj.source == "workflow" and traj.split == "train" and not self._issued_here(traj.group_id):
+            raise InvalidMessage(f"group_id: {traj.group_id!r} was never issued by this builder")
+        try:
+            check_rewards(traj, self.config.max_abs_reward)
+            if traj.split == "eval":
+                if not traj.grading.HasField("eval_round"):
+                    raise FieldError("grading.eval_round", "missing on an eval trajectory")
+                return
+            mismatch = temperature_mismatch(traj, self.config.sampling.temperature)
+            if mismatch:
+                raise InvalidMessage(mismatch)
+            check_step_rewards(traj)
+            if traj.group_size < 1:
+                raise FieldError("group_size", f"must be >= 1, got {traj.group_size}")
+        except ValueError as exc:
+            raise InvalidMessage(str(exc)) from exc
 
     async def _filter(self, group: Group) -> None:
         """Dynamic sampling: a workflow group of equal rewards never reaches a batch; it is recorded like a
@@ -376,11 +398,10 @@ class Builder:
         """A prompt work or trajectory that no service could process: its group can never complete, so it is
         dropped with the reason (its budget slot freed); an eval result counts as wrong."""
         await self.live.wait()
-        try:
-            item = (data_pb2.PromptWork if letter.subject.startswith("prompts.") else data_pb2.Trajectory).FromString(
-                letter.data)
-        except Exception:  # noqa: BLE001 - undecodable: it never belonged to a group
+        items = trajectory_groups.dead_letter_items(letter)
+        if not items:  # undecodable: it never belonged to a group
             return
+        item = items[0]
         if not item.group_id or item.group_id in self.consumed_groups:
             return
         source = getattr(item, "source", "") or "workflow"
@@ -388,9 +409,10 @@ class Builder:
             return  # not this builder's (its own "never issued" letters): no slot of the budget to free
         reason = f"dead_letter:{letter.consumer}"
         if item.split == "eval":
-            rnd = self.evals.record(grading.eval_round(item.grading), item.task_id, 0.0, [])
-            if rnd is not None:
-                await self._finish_eval(rnd)
+            for each in items:
+                rnd = self.evals.record(grading.eval_round(each.grading), each.task_id, 0.0, [])
+                if rnd is not None:
+                    await self._finish_eval(rnd)
             return
         async with self.flush_lock:
             # still tracked until the drop is recorded (_drop retires it): a retry after a failed write
@@ -431,8 +453,6 @@ class Builder:
         return n.isdigit() and int(n) < self.issued
 
     async def _record_eval(self, traj: data_pb2.Trajectory, msg) -> None:
-        if not traj.grading.HasField("eval_round"):
-            raise InvalidMessage("grading.eval_round: missing on an eval trajectory")
         round_id = traj.grading.eval_round
         known = self.evals.rounds.get(round_id)
         if known is None or known.complete:
@@ -645,7 +665,7 @@ class Builder:
             return
         await self.prune_blobs()  # what the replayed checkpoints allow
         tasks = [
-            asyncio.create_task(consume(self.bus, "builder", decoder(data_pb2.Trajectory), self.handle_scored, stop,
+            asyncio.create_task(consume(self.bus, "builder", trajectory_groups.decode, self.handle_group, stop,
                                         concurrency=64, manual_ack=True), name="scored"),
             asyncio.create_task(self.issue_loop(stop), name="issue"),
             asyncio.create_task(self.keep_alive(stop), name="keep-alive"),

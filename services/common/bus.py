@@ -326,12 +326,14 @@ class Bus:
 
     async def dead_letter(self, consumer: str, msg: Msg, reason: str) -> None:
         seq = msg.metadata.sequence.stream if msg.metadata else 0
-        await self.dead_letter_data(consumer, msg.subject, msg.data, reason, key=str(seq))
+        await self.dead_letter_data(consumer, msg.subject, msg.data, reason, key=str(seq),
+                                    type=(msg.headers or {}).get(TYPE_HEADER, ""))
 
-    async def dead_letter_data(self, consumer: str, subject: str, data: bytes, reason: str, *, key: str) -> None:
+    async def dead_letter_data(self, consumer: str, subject: str, data: bytes, reason: str, *, key: str,
+                               type: str = "") -> None:  # noqa: A002 - the letter's field
         """Dead-letter what `consumer` read from `subject` (by other means than a fetched message); `key`
-        makes the letter's dedupe id."""
-        letter = data_pb2.DeadLetter(subject=subject, consumer=consumer, reason=reason, data=data, at=now())
+        makes the letter's dedupe id, `type` names the protobuf message `data` holds."""
+        letter = data_pb2.DeadLetter(subject=subject, consumer=consumer, reason=reason, data=data, at=now(), type=type)
         await self.publish(DLQ_PREFIX + consumer, letter, f"dlq-{consumer}-{key}")
         get_logger().warning("dead_letter", consumer=consumer, subject=subject, reason=reason)
 

@@ -16,15 +16,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from services.common import grading, routed_experts
 from services.common.bus import InvalidMessage
 from services.common.contracts import data_pb2
 from services.common.errors import FieldError
-from services.common.ids import now
+from services.common.ids import HEADER_ID, now
 from services.common.steps import check_step_rewards
 from services.reward.verifiers import Verdict, Verifier, build_verifier, shaping
 from services.reward.verifiers.base import clamp, reward_range
@@ -32,7 +31,6 @@ from services.reward.verifiers.pool import VerifierPool, shared_pool
 
 DEFAULT_TIMEOUT_S = 10.0
 T = TypeVar("T")
-_ID = re.compile(r"[\x21-\x7e]{1,256}")  # ids travel in Nats-Msg-Id headers
 
 
 def task_of(g: data_pb2.Grading) -> Mapping[str, Any]:
@@ -46,7 +44,7 @@ def task_of(g: data_pb2.Grading) -> Mapping[str, Any]:
 def validate_trajectory(traj: data_pb2.Trajectory, vocab_size: int | None = None) -> None:
     if not traj.trajectory_id:
         raise InvalidMessage("trajectory_id: missing")
-    if not _ID.fullmatch(traj.trajectory_id):
+    if not HEADER_ID.fullmatch(traj.trajectory_id):
         raise InvalidMessage("trajectory_id: must be 1-256 visible ASCII characters without spaces")
     n = len(traj.completion_ids)
     for field in ("behavior_logprobs", "versions", "loss_mask"):
@@ -137,16 +135,26 @@ class Scorer:
         return self._scored(traj, checked, _as_invalid(self._verify, checked))
 
     async def score_async(self, traj: data_pb2.Trajectory) -> data_pb2.Trajectory:
-        """`score` without blocking the event loop: checked on the loop, and settled there when a bounded-time
-        check answers (no thread hop per trajectory); else verified on a worker thread (up to its deadline)."""
-        checked = self._check_trajectory(traj)
-        if checked.quick is not None:
-            verdict = _as_invalid(self._verify, checked)
-        else:
-            verdict = await asyncio.to_thread(_as_invalid, self._verify, checked)
-        if verdict.steps:   # placing steps decodes prefixes of the response: off the event loop
-            return await asyncio.to_thread(self._scored, traj, checked, verdict)
-        return self._scored(traj, checked, verdict)
+        """`score` without blocking the event loop (a group of one)."""
+        return (await self.score_group_async([traj]))[0]
+
+    async def score_group_async(self, members: Sequence[data_pb2.Trajectory]) -> list[data_pb2.Trajectory]:
+        """A group message's trajectories scored. Every member is checked before any verifier runs: one that can
+        never be scored makes the whole message an InvalidMessage naming it (its group can no longer complete).
+        Then they are verified together: settled on the loop when a bounded-time check answers (no thread hop),
+        else on worker threads at once (each up to its deadline)."""
+        checked = [_named(traj, self._check_trajectory, traj) for traj in members]
+
+        async def verify(traj: data_pb2.Trajectory, c: _Checked) -> data_pb2.Trajectory:
+            if c.quick is not None:
+                verdict = _named(traj, self._verify, c)
+            else:
+                verdict = await asyncio.to_thread(_named, traj, self._verify, c)
+            if verdict.steps:   # placing steps decodes prefixes of the response: off the event loop
+                return await asyncio.to_thread(_named, traj, self._scored, traj, c, verdict)
+            return _named(traj, self._scored, traj, c, verdict)
+
+        return list(await asyncio.gather(*(verify(t, c) for t, c in zip(members, checked, strict=True))))
 
     def _scored(self, traj: data_pb2.Trajectory, checked: _Checked, verdict: Verdict) -> data_pb2.Trajectory:
         """`add_reward`: the trajectory's own reward (an agent's, from the gateway) on top of the verifier's. The
@@ -226,6 +234,14 @@ class _Checked:
     quick: Verdict | None
     ids: list[int] = dataclasses.field(default_factory=list)  # the response's tokens (a trajectory's)
     first_token: int = 0        # where they start in the completion
+
+
+def _named(traj: data_pb2.Trajectory, fn: Callable[..., T], *args) -> T:
+    """`fn(*args)`; a ValueError is an InvalidMessage naming the trajectory (of a group message) it is about."""
+    try:
+        return fn(*args)
+    except ValueError as exc:
+        raise InvalidMessage(f"trajectory {traj.trajectory_id!r}: {exc}") from exc
 
 
 def _as_invalid(fn: Callable[..., T], *args, **kwargs) -> T:

@@ -1,4 +1,5 @@
-"""The reward service's edges: a queue-group consumer on traj.raw, publishes traj.scored, serves gRPC."""
+"""The reward service's edges: a queue-group consumer on traj.raw (one message per group), publishes each group
+scored on traj.scored, serves gRPC."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import grpc
 import prometheus_client
 from transformers import AutoTokenizer
 
-from services.common import grading
-from services.common.bus import SUBJECT_TRAJ_SCORED, Bus, consume, decoder
+from services.common import grading, trajectory_groups
+from services.common.bus import SUBJECT_TRAJ_SCORED, Bus, consume
 from services.common.contracts import data_pb2, reward_pb2, reward_pb2_grpc
 from services.common.deadletters import DeadLetterWatch
 from services.common.errors import FieldError, field_error
@@ -103,13 +104,14 @@ async def _serve(config: RewardConfig, tokenizer, pool, bus: Bus, runtime: Servi
                     count_tokens=lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
     stats = {"scored": 0.0, "reward_sum": 0.0}
 
-    async def handle(traj: data_pb2.Trajectory) -> None:
-        scored = await scorer.score_async(traj)
-        await bus.publish(SUBJECT_TRAJ_SCORED, scored, scored.trajectory_id)
-        stats["scored"] += 1
-        stats["reward_sum"] += scored.reward
-        SCORED.inc()
-        REWARD.observe(scored.reward)
+    async def handle(group: data_pb2.TrajectoryGroup) -> None:
+        scored = await scorer.score_group_async(group.trajectories)
+        await trajectory_groups.publish(bus, SUBJECT_TRAJ_SCORED, scored)
+        stats["scored"] += len(scored)
+        stats["reward_sum"] += sum(t.reward for t in scored)
+        SCORED.inc(len(scored))
+        for t in scored:
+            REWARD.observe(t.reward)
 
     dead_letters = DeadLetterWatch(bus)
     servicer = RewardServicer(scorer, stats, dead_letters, config.sandbox)
@@ -118,4 +120,4 @@ async def _serve(config: RewardConfig, tokenizer, pool, bus: Bus, runtime: Servi
         reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name)])
     get_logger().info("serving", grpc_port=rpc.port)
     runtime.spawn(dead_letters.run(runtime.stop), "dead-letter-counts")
-    await consume(bus, "reward", decoder(data_pb2.Trajectory), handle, runtime.stop, concurrency=config.concurrency)
+    await consume(bus, "reward", trajectory_groups.decode, handle, runtime.stop, concurrency=config.concurrency)

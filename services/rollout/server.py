@@ -11,6 +11,7 @@ import time
 import grpc
 import prometheus_client
 
+from services.common import trajectory_groups
 from services.common.auth import client_security
 from services.common.bus import (
     SUBJECT_PROMPTS,
@@ -86,9 +87,9 @@ class Rollout:
         if any(s.finish_reason == "abort" for s in seqs):
             raise RuntimeError(f"work {work.work_id} aborted by shutdown")
         trajectories = to_trajectories(work, seqs)
-        # the group's acks awaited together, not one round trip each; a redelivered work republishes the same
-        # ids, which JetStream deduplicates, so a partial failure here loses and duplicates nothing
-        await asyncio.gather(*(self.bus.publish(SUBJECT_TRAJ_RAW, t, t.trajectory_id) for t in trajectories))
+        # the group as one message; a redelivered work republishes the same members under the same id, which
+        # JetStream deduplicates, so a failure here loses and duplicates nothing
+        await trajectory_groups.publish(self.bus, SUBJECT_TRAJ_RAW, trajectories)
         self.published += len(trajectories)
         TRAJECTORIES.inc(len(trajectories))
         TOKENS.set(self.engine.stats.tokens_generated)
@@ -287,7 +288,7 @@ async def _serve_gateway(config: RolloutConfig, engine: Engine, bus: Bus, stop: 
     tokenizer = AutoTokenizer.from_pretrained(config.engine.model_path)
 
     async def publish(traj: data_pb2.Trajectory) -> None:  # a graded session's go through the reward service
-        await bus.publish(SUBJECT_TRAJ_SCORED if traj.scored else SUBJECT_TRAJ_RAW, traj, traj.trajectory_id)
+        await trajectory_groups.publish(bus, SUBJECT_TRAJ_SCORED if traj.scored else SUBJECT_TRAJ_RAW, [traj])
 
     budget = GroupBudget()
     reward = None

@@ -20,7 +20,8 @@ import pytest
 import yaml
 
 from launcher.processes import free_port, nats_server_binary, popen
-from services.common.contracts import data_pb2
+from services.common import trajectory_groups
+from services.common.bus import TYPE_HEADER
 
 pytestmark = [pytest.mark.e2e]
 ADMIN = "e2e-admin-key"
@@ -127,7 +128,7 @@ async def scored_sessions(nats_url: str) -> list[str]:
         for seq in range(state.first_seq, state.last_seq + 1):
             msg = await js.get_msg("TRAJ", seq)
             if msg.subject == "traj.scored":
-                out.append(data_pb2.Trajectory.FromString(msg.data).work_id)
+                out.extend(t.work_id for t in trajectory_groups.parse(msg.headers[TYPE_HEADER], msg.data).trajectories)
         return out
     finally:
         await nc.close()

@@ -9,6 +9,7 @@ import msgpack
 import pytest
 from openai import OpenAI
 
+from services.common import trajectory_groups
 from services.common.bus import SUBJECT_TRAJ_SCORED, Bus
 from services.common.contracts import data_pb2
 from tests.gateway.harness import GatewayServer
@@ -144,7 +145,8 @@ def test_trajectories_reach_jetstream(nats_server, tok):
         (msg,) = await sub.fetch(1, timeout=5)
         await msg.ack()
         await bus.close()
-        return data_pb2.Trajectory.FromString(msg.data)
+        (traj,) = trajectory_groups.decode(msg).trajectories  # a session's group message: itself
+        return traj
 
     traj = asyncio.run(read_back())
     assert traj.work_id == s["session_id"] and traj.reward == 1.0 and traj.source == "gateway"

@@ -122,3 +122,20 @@ def test_every_verdict_is_clamped_to_the_verifiers_range(monkeypatch, cls, rewar
 def test_the_judges_range_takes_in_its_failure_reward():
     assert JudgeVerifier(JudgeConfig()).reward_range == (0.0, 1.0)
     assert JudgeVerifier(JudgeConfig(failure_reward=-1.0)).reward_range == (-1.0, 1.0)
+
+
+def test_a_group_is_scored_together_and_a_member_that_cannot_be_names_itself():
+    import asyncio
+
+    scorer = Scorer(lambda ids: "".join(chr(i) for i in ids), "math")
+    members = []
+    for k, text in enumerate(["42", "41", "so 42"]):
+        t = _traj([ord(c) for c in text], {"answer": "42", "extract": "last_number"})
+        t.trajectory_id = f"t-{k}"
+        members.append(t)
+    scored = asyncio.run(scorer.score_group_async(members))
+    assert [(t.trajectory_id, t.reward, t.scored) for t in scored] == [("t-0", 1.0, True), ("t-1", 0.0, True),
+                                                                         ("t-2", 1.0, True)]
+    members[1].behavior_logprobs.append(0.0)  # one more log-prob than tokens: never scorable
+    with pytest.raises(InvalidMessage, match="trajectory 't-1': behavior_logprobs"):
+        asyncio.run(scorer.score_group_async(members))

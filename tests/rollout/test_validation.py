@@ -113,7 +113,8 @@ def work(**kw) -> data_pb2.PromptWork:
 
 @pytest.mark.parametrize("bad, field", [
     ({"work_id": ""}, "work_id"), ({"work_id": "a b"}, "work_id"), ({"work_id": "x\r\nNats-Msg-Id: y"}, "work_id"),
-    ({"group_id": ""}, "group_id"), ({"prompt_ids": []}, "prompt_ids"), ({"prompt_ids": [5, VOCAB]}, "prompt_ids"),
+    ({"group_id": ""}, "group_id"), ({"group_id": "x\r\nNats-Msg-Id: y"}, "group_id"),
+    ({"prompt_ids": []}, "prompt_ids"), ({"prompt_ids": [5, VOCAB]}, "prompt_ids"),
     ({"prompt_ids": [-4]}, "prompt_ids"), ({"group_size": 0}, "group_size"), ({"group_size": 10**6}, "group_size"),
     ({"split": "test"}, "split"),
     ({"sampling": data_pb2.SamplingParams(temperature=math.nan, max_new_tokens=4)}, "temperature"),
@@ -126,6 +127,8 @@ def test_bad_prompt_work_is_an_invalid_message_naming_the_field(engine, bad, fie
 
 
 class Published:
+    max_payload = 1 << 20
+
     def __init__(self) -> None:
         self.messages: list = []
 
@@ -141,4 +144,5 @@ async def test_the_consumer_handler_refuses_bad_work_before_admission_and_runs_g
         await rollout.handle_work(work(prompt_ids=[3, VOCAB + 7]))
     assert engine.stats.sequences_finished == 0 and engine.stats.steps == 0
     await asyncio.wait_for(rollout.handle_work(work()), 60)
-    assert [m[2] for m in bus.messages] == ["w-1-0", "w-1-1"]
+    ((subject, group, _),) = bus.messages  # the group, as one message
+    assert subject == "traj.raw" and [t.trajectory_id for t in group.trajectories] == ["w-1-0", "w-1-1"]

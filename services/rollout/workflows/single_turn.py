@@ -6,20 +6,18 @@ never run is an InvalidMessage (dead-lettered with the reason), never a model st
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from services.common.bus import InvalidMessage
 from services.common.contracts import data_pb2
-from services.common.ids import now
+from services.common.ids import HEADER_ID, now
 from services.common.moe_routing import to_proto
 from services.rollout.engines.base import MAX_SAMPLES
 from services.rollout.engines.sequence import Sampling, Sequence
 
 MAX_GROUP_SIZE = MAX_SAMPLES
-MAX_NAME_CHARS = 1024                      # task_id, group_id
+MAX_NAME_CHARS = 1024                      # task_id
 SPLITS = ("", "train", "eval")
-_ID = re.compile(r"[\x21-\x7e]{1,256}")    # ids travel in Nats-Msg-Id headers: visible ASCII, no spaces
 
 
 def sampling_from_proto(params: data_pb2.SamplingParams) -> Sampling:
@@ -34,7 +32,7 @@ def sampling_from_proto(params: data_pb2.SamplingParams) -> Sampling:
 def check_id(value: str, field: str) -> None:
     if not value:
         raise InvalidMessage(f"{field}: missing")
-    if not _ID.fullmatch(value):
+    if not HEADER_ID.fullmatch(value):
         raise InvalidMessage(f"{field}: must be 1-256 visible ASCII characters without spaces")
 
 
@@ -46,11 +44,9 @@ def validate_work(work: data_pb2.PromptWork, engine: Any = None) -> Sampling:
         raise InvalidMessage("prompt_ids: empty")
     if not 1 <= work.group_size <= MAX_GROUP_SIZE:
         raise InvalidMessage(f"group_size: must be in [1, {MAX_GROUP_SIZE}], got {work.group_size}")
-    if not work.group_id:
-        raise InvalidMessage("group_id: missing")
-    for field in ("task_id", "group_id"):
-        if len(getattr(work, field)) > MAX_NAME_CHARS:
-            raise InvalidMessage(f"{field}: longer than {MAX_NAME_CHARS} characters")
+    check_id(work.group_id, "group_id")  # in the group message's Nats-Msg-Id
+    if len(work.task_id) > MAX_NAME_CHARS:
+        raise InvalidMessage(f"task_id: longer than {MAX_NAME_CHARS} characters")
     if work.split not in SPLITS:
         raise InvalidMessage(f"split: expected 'train' or 'eval', got {work.split!r}")
     sampling = sampling_from_proto(work.sampling)

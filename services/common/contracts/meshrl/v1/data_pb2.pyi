@@ -163,6 +163,14 @@ class Trajectory(_message.Message):
     routed_experts: RoutedExperts
     def __init__(self, trajectory_id: _Optional[str] = ..., group_id: _Optional[str] = ..., task_id: _Optional[str] = ..., work_id: _Optional[str] = ..., group_size: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., completion_ids: _Optional[_Iterable[int]] = ..., behavior_logprobs: _Optional[_Iterable[float]] = ..., versions: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., scored: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., created_at: _Optional[float] = ..., generated_at: _Optional[float] = ..., scored_at: _Optional[float] = ..., source: _Optional[str] = ..., metadata: _Optional[bytes] = ..., split: _Optional[str] = ..., verifier: _Optional[str] = ..., step_rewards: _Optional[_Iterable[_Union[StepReward, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., grading: _Optional[_Union[Grading, _Mapping]] = ..., routed_experts: _Optional[_Union[RoutedExperts, _Mapping]] = ...) -> None: ...
 
+class TrajectoryGroup(_message.Message):
+    __slots__ = ("group_id", "trajectories")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    trajectories: _containers.RepeatedCompositeFieldContainer[Trajectory]
+    def __init__(self, group_id: _Optional[str] = ..., trajectories: _Optional[_Iterable[_Union[Trajectory, _Mapping]]] = ...) -> None: ...
+
 class RoutedExperts(_message.Message):
     __slots__ = ("indices", "layers", "top_k")
     INDICES_FIELD_NUMBER: _ClassVar[int]
@@ -301,15 +309,17 @@ class RankLayout(_message.Message):
     def __init__(self, rank_id: _Optional[str] = ..., role: _Optional[_Union[RankRole, str]] = ..., framework: _Optional[str] = ..., parallel: _Optional[_Mapping[str, int]] = ..., shards: _Optional[_Iterable[_Union[ShardSpec, _Mapping]]] = ..., agent_address: _Optional[str] = ..., endpoints: _Optional[_Mapping[str, str]] = ..., host: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class DeadLetter(_message.Message):
-    __slots__ = ("subject", "consumer", "reason", "data", "at")
+    __slots__ = ("subject", "consumer", "reason", "data", "at", "type")
     SUBJECT_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     AT_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
     subject: str
     consumer: str
     reason: str
     data: bytes
     at: float
-    def __init__(self, subject: _Optional[str] = ..., consumer: _Optional[str] = ..., reason: _Optional[str] = ..., data: _Optional[bytes] = ..., at: _Optional[float] = ...) -> None: ...
+    type: str
+    def __init__(self, subject: _Optional[str] = ..., consumer: _Optional[str] = ..., reason: _Optional[str] = ..., data: _Optional[bytes] = ..., at: _Optional[float] = ..., type: _Optional[str] = ...) -> None: ...

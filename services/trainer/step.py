@@ -49,11 +49,19 @@ def step_entropy(logits: torch.Tensor, temperature: float, *, with_grad: bool) -
         return token_entropy(logits.detach(), temperature)
 
 
-def minibatches(n: int, optim: OptimConfig, generator: torch.Generator):
-    """Index tensors of each minibatch of each epoch (shuffled per epoch)."""
+def minibatches(n: int, optim: OptimConfig, generator: torch.Generator, groups: torch.Tensor | None = None):
+    """Index tensors of each minibatch of each epoch, shuffled per epoch: rows, or with `groups` (each row's
+    group id) and `optim.split` "groups", whole groups (at most one minibatch per group)."""
     for _ in range(optim.epochs):
-        order = torch.randperm(n, generator=generator)
-        for part in torch.tensor_split(order, min(optim.minibatches, max(1, n))):
+        if groups is None or optim.split == "rows":
+            order = torch.randperm(n, generator=generator)
+            parts = torch.tensor_split(order, min(optim.minibatches, max(1, n)))
+        else:
+            _, group_of = torch.unique(groups, return_inverse=True)
+            order = torch.randperm(int(group_of.max()) + 1 if n else 0, generator=generator)
+            parts = [torch.nonzero(torch.isin(group_of, chosen)).squeeze(-1)
+                     for chosen in torch.tensor_split(order, min(optim.minibatches, max(1, order.numel())))]
+        for part in parts:
             if part.numel():
                 yield part
 
@@ -111,7 +119,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, algo: A
         metrics["kl_reward_mean"] = float(masked_mean(result.kl_penalty, batch.loss_mask.bool()))
     acc, skipped = StatsMean(), 0
     forward = update = 0.0
-    for part in minibatches(batch.size, optim, generator):
+    for part in minibatches(batch.size, optim, generator, batch.group_ids):
         started = time.perf_counter()
         scale = weight = 1.0
         if shards is not None:

@@ -175,3 +175,33 @@ def test_packed_log_probs_through_lora_adapters_equal_the_padded_ones():
         with packed_forwards(PACKED):
             packed = policy_logp(model, b, 1.0)
     torch.testing.assert_close(packed[trained], padded[trained], atol=1e-5, rtol=1e-5)
+
+
+def _computed_tokens(b: PackedBatch) -> int:
+    """Tokens a packed forward of `b` computes: each distinct shared prompt once, every completion."""
+    packing = pack_rows(b.input_ids, b.attention_mask, b.lengths, PackingConfig(enabled=True))
+    prompts = {(int(bin_), int(start)): int(n) for bin_, start, n in
+               zip(packing.bin_of, packing.prompt_start, packing.prompt_length, strict=True)}
+    return sum(prompts.values()) + int(b.lengths.sum())
+
+
+def test_minibatches_of_whole_groups_keep_each_groups_prompt_shared():
+    from services.trainer.step import minibatches
+
+    b = batch(rows=24)  # 8 groups of 3
+    by_group, by_row = OptimConfig(minibatches=4, epochs=2, split="groups"), OptimConfig(minibatches=4, epochs=2)
+    parts = list(minibatches(b.size, by_group, torch.Generator().manual_seed(0), b.group_ids))
+    assert len(parts) == 8
+    for epoch in (parts[:4], parts[4:]):
+        assert sorted(torch.cat(epoch).tolist()) == list(range(24))  # every row once an epoch
+        for part in epoch:  # whole groups: each group in the part with all three of its rows
+            assert torch.bincount(b.group_ids[part]).tolist().count(3) == len(set(b.group_ids[part].tolist()))
+    rows = list(minibatches(b.size, by_row, torch.Generator().manual_seed(0), b.group_ids))
+    assert sorted(torch.cat(rows[:4]).tolist()) == list(range(24))
+    grouped = sum(_computed_tokens(b.rows(p)) for p in parts[:4])
+    scattered = sum(_computed_tokens(b.rows(p)) for p in rows[:4])
+    assert grouped == _computed_tokens(b) < scattered  # the split costs nothing; rows alone recompute prompts
+    # fewer groups than minibatches: one minibatch per group
+    assert len(list(minibatches(6, by_group, torch.Generator(), torch.tensor([5, 5, 5, 9, 9, 9])))) == 4
+    with pytest.raises(ValueError, match="optim.split"):
+        OptimConfig(split="tokens")

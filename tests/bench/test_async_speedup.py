@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from bench.async_speedup import OTHERS, phase_times, pin, steady_state
+from bench.async_speedup import OTHERS, ideal_speedups, phase_times, pin, steady_state
 from launcher.phases import phase_report
 
 
@@ -57,3 +57,13 @@ def test_pin_puts_rollout_and_trainer_on_a_cpu_each_and_the_others_where_asked(m
     assert pin(True, "trainer").startswith(f"rollout:{cpus[0]},trainer:{cpus[1]},")
     assert all(os.environ[f"MESHRL_CPUS_{s.upper()}"] == str(cpus[1]) for s in OTHERS)
     assert pin(False, "trainer") == "" and "MESHRL_CPUS_TRAINER" not in os.environ
+
+
+def test_the_cpu_aware_ideal_bounds_the_overlapped_step_by_the_cpu_it_needs():
+    # a 1.0 s synchronous step: 0.6 s generating, 0.4 s training
+    phase, cpu = ideal_speedups(1.0, 0.4, cpu_per_step=1.6, cores=2)
+    assert abs(phase - 1 / 0.6) < 1e-9            # the phases alone: the step shrinks to the longer one
+    assert abs(cpu - 1 / 0.8) < 1e-9              # 1.6 CPU-s a step on 2 cores cannot take under 0.8 s
+    assert ideal_speedups(1.0, 0.4, cpu_per_step=1.0, cores=2)[1] == phase  # CPU to spare: the same ideal
+    assert ideal_speedups(1.0, 0.4, cpu_per_step=None, cores=2) == (phase, None)
+    assert ideal_speedups(0.0, 0.0, cpu_per_step=1.0, cores=2) == (0.0, None)

@@ -40,6 +40,11 @@ def reward_varies(group: Group) -> bool:
     return len({t.reward for t in group.members.values()}) > 1
 
 
+def check_group_size(traj: data_pb2.Trajectory) -> None:
+    if traj.group_size < 1:
+        raise FieldError("group_size", f"must be >= 1, got {traj.group_size}")
+
+
 def check_rewards(traj: data_pb2.Trajectory, max_abs: float) -> None:
     """ValueError naming the field unless the reward and every step reward are finite and within +-`max_abs`
     (`max_abs_reward`): one inf or NaN voids its group's advantages and so most of a training step; a huge finite
@@ -67,8 +72,7 @@ class GroupAssembler:
 
     def add(self, traj: data_pb2.Trajectory, ack: Any = None) -> Group | None:
         """Returns the group when this trajectory completed it. A trajectory seen before is ignored."""
-        if traj.group_size < 1:
-            raise FieldError("group_size", f"must be >= 1, got {traj.group_size}")
+        check_group_size(traj)
         group = self.known.get(traj.group_id)
         if group is None:
             group = self.open[traj.group_id] = self.known[traj.group_id] = Group(traj.group_id, traj.group_size)

@@ -19,7 +19,14 @@ from services.builder.capacity import TRAJ_SPEC, check_traj_capacity, longest_pr
 from services.builder.config import BuilderConfig
 from services.builder.datasets import shuffled_epochs
 from services.builder.evaluation import EvalRound, EvalTracker
-from services.builder.grouping import Group, GroupAssembler, assemble_batch, check_rewards, reward_varies
+from services.builder.grouping import (
+    Group,
+    GroupAssembler,
+    assemble_batch,
+    check_group_size,
+    check_rewards,
+    reward_varies,
+)
 from services.builder.ledger import NO_VARIANCE, Batched, Dropped, IssuedEval, Ledger, merge_batches
 from services.builder.tasks import make_pair, make_work
 from services.common import grading, trajectory_groups
@@ -274,11 +281,8 @@ class Builder:
             await msg.ack()  # a redelivery of a group already batched or dropped
             return
         group = None
-        for traj in trajs:
-            try:
-                group = self.assembler.add(traj, ack=msg) or group
-            except ValueError as exc:
-                raise InvalidMessage(str(exc)) from exc
+        for traj in trajs:  # checked above: add cannot refuse one
+            group = self.assembler.add(traj, ack=msg) or group
         if group is None:
             if len(self.assembler.ready) >= self.config.batch_size:
                 await self.flush_batches()  # a failed flush left them there: this redelivery retries it
@@ -313,8 +317,7 @@ class Builder:
             if mismatch:
                 raise InvalidMessage(mismatch)
             check_step_rewards(traj)
-            if traj.group_size < 1:
-                raise FieldError("group_size", f"must be >= 1, got {traj.group_size}")
+            check_group_size(traj)
         except ValueError as exc:
             raise InvalidMessage(str(exc)) from exc
 

@@ -50,6 +50,7 @@ T = TypeVar("T")
 
 DAY = 86400.0
 PUBLISH_DEADLINE = 300.0   # seconds a publish keeps retrying through an outage before it raises
+HEADER_ROOM = 4096         # bytes of max_payload kept for a message's headers: a publish carries the rest
 
 
 class PeersOffline(ConnectionError):
@@ -293,7 +294,7 @@ class Bus:
         """
         assert msg_id, "every published message needs an id"
         data = message.SerializeToString()
-        if len(data) > self.max_payload - 4096:
+        if len(data) > self.max_payload - HEADER_ROOM:
             raise PayloadTooLarge(f"{message.DESCRIPTOR.full_name} {msg_id}: {len(data)} bytes is over the "
                                   f"server's max_payload {self.max_payload}")
         hdrs = {"Nats-Msg-Id": f"{subject}/{msg_id}", TYPE_HEADER: message.DESCRIPTOR.full_name, **(headers or {})}

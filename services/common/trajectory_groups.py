@@ -16,13 +16,12 @@ from collections.abc import Sequence
 
 from nats.aio.msg import Msg
 
-from services.common.bus import TYPE_HEADER, Bus, InvalidMessage
+from services.common.bus import HEADER_ROOM, TYPE_HEADER, Bus, InvalidMessage
 from services.common.contracts import data_pb2
 from services.common.ids import HEADER_ID
 
 GROUP_TYPE = data_pb2.TrajectoryGroup.DESCRIPTOR.full_name
 TRAJECTORY_TYPE = data_pb2.Trajectory.DESCRIPTOR.full_name
-HEADROOM = 4096  # bytes under max_payload left for headers (Bus.publish refuses less)
 
 
 def message_id(group: data_pb2.TrajectoryGroup) -> str:
@@ -101,7 +100,7 @@ def parts(trajectories: Sequence[data_pb2.Trajectory], max_bytes: int) -> list[d
 async def publish(bus: Bus, subject: str, trajectories: Sequence[data_pb2.Trajectory]) -> int:
     """Publish one group's trajectories (as one message, or several when over max_payload); returns how many
     messages JetStream took as new (0: all duplicates of earlier publishes)."""
-    messages = parts(trajectories, bus.max_payload - HEADROOM)
+    messages = parts(trajectories, bus.max_payload - HEADER_ROOM)
     new = await asyncio.gather(*(bus.publish(subject, m, message_id(m)) for m in messages))
     return sum(new)
 

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from services.builder.datasets import Task, demonstration, extract_answer, generate_split  # noqa: E402
 from services.trainer.models import TinyQwen3Config, build_tokenizer, padded_vocab_size  # noqa: E402
+from services.trainer.models.tiny_vlm import TinyVLMConfig, build_vlm_tokenizer  # noqa: E402
 
 # Defaults found with scripts/rl_feasibility.py (see its docstring).
 MODEL = TinyQwen3Config(num_hidden_layers=2)
@@ -189,8 +190,7 @@ def sft(model, tokenizer, seed: int, lr: float = SFT_LR, batch: int = SFT_BATCH,
     history = []
     for step in range(1, max_steps + 1):
         idx = torch.randint(curriculum.train_size, (batch,), generator=g).tolist()
-        ids, mask, lab = curriculum.batch(idx)
-        loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
+        loss = model(**curriculum.batch(idx)).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -212,16 +212,17 @@ def sft(model, tokenizer, seed: int, lr: float = SFT_LR, batch: int = SFT_BATCH,
 
 @dataclasses.dataclass
 class Curriculum:
-    """What SFT trains on: a training-set size, a batch of (ids, mask, labels) by index, a held-out score."""
+    """What SFT trains on: a training-set size, a batch's model inputs (ids, mask, labels...) by index, a held-out
+    score."""
     train_size: int
-    batch: Callable[[list[int]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    batch: Callable[[list[int]], dict[str, torch.Tensor]]
     evaluate: Callable[[torch.nn.Module], float]
 
 
 def addition_curriculum(tokenizer, seed: int, eval_tasks: list[Task] | None = None) -> Curriculum:
     train = generate_split("train", TRAIN_NUM, seed)
     eval_tasks = eval_tasks if eval_tasks is not None else generate_split("eval", EVAL_NUM, EVAL_SEED)
-    return Curriculum(TRAIN_NUM, lambda idx: sft_batch(tokenizer, [train[i] for i in idx]),
+    return Curriculum(TRAIN_NUM, lambda idx: inputs(*sft_batch(tokenizer, [train[i] for i in idx])),
                       lambda model: greedy_accuracy(model, tokenizer, eval_tasks))
 
 
@@ -231,12 +232,26 @@ def tool_curriculum(tokenizer, seed: int) -> Curriculum:
 
     train = tool_episodes.split("train", TRAIN_NUM, seed)
     eval_tasks = tool_episodes.split("eval", EVAL_NUM, seed)
-    return Curriculum(TRAIN_NUM, lambda idx: pad_batch(tokenizer, [tool_episodes.demonstration(tokenizer, q, e)
-                                                                   for _, q, e in (train[i] for i in idx)]),
+    return Curriculum(TRAIN_NUM, lambda idx: inputs(*pad_batch(tokenizer, [tool_episodes.demonstration(tokenizer, q, e)
+                                                                           for _, q, e in (train[i] for i in idx)])),
                       lambda model: tool_episodes.greedy_success(model, tokenizer, eval_tasks, generate))
 
 
+def inputs(ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def vision_curriculum(processor, seed: int, size: int) -> Curriculum:
+    """Counting shapes in pictures (scripts/vision_tasks.py) for the tiny LLaVA."""
+    import vision_tasks
+
+    train, eval_tasks = vision_tasks.splits(seed, TRAIN_NUM, EVAL_NUM, size)
+    return Curriculum(TRAIN_NUM, lambda idx: vision_tasks.sft_inputs(processor, [train[i] for i in idx]),
+                      lambda model: vision_tasks.greedy_accuracy(model, processor, eval_tasks, is_correct))
+
+
 def save(model, tokenizer, out: Path) -> None:
+    """The model and its tokenizer (or processor: tokenizer, image processor and processor config)."""
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     model.generation_config.save_pretrained(out)
@@ -254,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--verbose", action="store_true")
     style = ap.add_mutually_exclusive_group()
     style.add_argument("--chat", action="store_true", help="addition through the chat template")
+    style.add_argument("--vision", action="store_true",
+                       help="a tiny LLaVA (SigLIP vision tower + this Qwen3) counting shapes in drawn pictures")
     style.add_argument("--tools", action="store_true",
                        help="the calculator agent's tool-using episodes (examples/agents) through the chat template")
     ap.add_argument("--layers", type=int, default=MODEL.num_hidden_layers)
@@ -264,17 +281,25 @@ def main(argv: list[str] | None = None) -> int:
     PROMPT_STYLE = "tools" if args.tools else "chat" if args.chat else "raw"
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    tokenizer, model = build(args.seed, dataclasses.replace(MODEL, num_hidden_layers=args.layers,
-                                                            num_experts=args.experts))
+    text = dataclasses.replace(MODEL, num_hidden_layers=args.layers, num_experts=args.experts)
     log = (lambda rec: print(json.dumps(rec), file=sys.stderr, flush=True)) if args.verbose else None
-    curriculum = tool_curriculum(tokenizer, args.seed) if args.tools else None
+    if args.vision:
+        PROMPT_STYLE = "vision"
+        torch.manual_seed(args.seed)
+        vlm = TinyVLMConfig(text=text)
+        tokenizer = build_vlm_tokenizer()
+        model, processor = vlm.build(tokenizer), vlm.processor(tokenizer)
+        curriculum = vision_curriculum(processor, args.seed, vlm.image_size)
+    else:
+        tokenizer, model = build(args.seed, text)
+        processor, curriculum = tokenizer, tool_curriculum(tokenizer, args.seed) if args.tools else None
     summary = sft(model, tokenizer, args.seed, lr=args.lr, max_steps=args.max_steps, band=tuple(args.band), log=log,
                   curriculum=curriculum, eval_every=args.eval_every)
-    save(model, tokenizer, args.out)
+    save(model, processor, args.out)
     print(json.dumps({
         "out": str(args.out), "seed": args.seed, "prompt_style": PROMPT_STYLE, "heldout_acc": summary["heldout_acc"],
         "sft_steps": summary["sft_steps"], "sft_loss": summary["sft_loss"],
-        "params": sum(p.numel() for p in model.parameters()), "vocab_size": model.config.vocab_size,
+        "params": sum(p.numel() for p in model.parameters()), "vocab_size": model.get_output_embeddings().weight.shape[0],
         "seconds": round(time.perf_counter() - t0, 2),
     }), flush=True)
     return 0

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 import prometheus_client
-from transformers import AutoTokenizer
+from transformers import AutoProcessor, AutoTokenizer
 
 from services.builder.accounting import RunEnd, recount
 from services.builder.admission import OnlineBudget, StalenessBudget
@@ -47,7 +47,9 @@ from services.common.bus import (
 from services.common.contracts import builder_pb2, builder_pb2_grpc, common_pb2, data_pb2
 from services.common.deadletters import DeadLetterWatch
 from services.common.errors import FieldError
+from services.common.hf_models import is_vision_language
 from services.common.ids import now
+from services.common.images import ImageStore, ref_of
 from services.common.logging import get_logger
 from services.common.rpc import Servicer
 from services.common.runtime import ServiceRuntime, sleep_or_stop
@@ -102,6 +104,9 @@ class Builder:
         self.log.info("dataset_loaded", source=config.dataset.kind, train=len(data.train), eval=len(data.eval),
                       filtered_train=data.dropped["train"], filtered_eval=data.dropped["eval"])
         self.eval_tasks = data.eval
+        # a vision-language dataset's images by digest: put in the IMAGES object store as work names them
+        self.images = ImageStore(bus)
+        self.image_blobs = {ref_of(b).sha256: b for t in (*data.train, *data.eval) for b in t.images}
         self.traj_in_flight_bytes = self.check_capacity(data)
         self.train = shuffled_epochs(data.train, config.seed)
         self.ledger = Ledger(bus)
@@ -233,11 +238,17 @@ class Builder:
         """Publish a counted work; one that fails stays counted and is published first by the next issue_once
         (or by a restarted builder's recovery: this failure ends the issue loop, and with it the builder)."""
         self.unpublished = work
+        await self._store_images(work)
         if isinstance(work, list):   # the ids dedupe a republished pair
             await trajectory_groups.publish(self.bus, SUBJECT_TRAJ_SCORED, work)
         else:
             await self.bus.publish(SUBJECT_PROMPTS, work, work.work_id)
         self.unpublished = None
+
+    async def _store_images(self, work: data_pb2.PromptWork | list[data_pb2.Trajectory]) -> None:
+        """The images a work names, in the object store before the work is published (each stored once)."""
+        for ref in work.images if isinstance(work, data_pb2.PromptWork) else ():
+            await self.images.put(self.image_blobs[ref.sha256])
 
     async def issue_eval(self, version: int, *, final: bool = False) -> EvalRound:
         rnd = self.evals.start(version, len(self.eval_tasks), final=final)
@@ -254,6 +265,7 @@ class Builder:
             work = make_work(task, work_id=work_id, group_id=work_id, group_size=1, encode=self.encode,
                              sampling=self.eval_sampling, version=version, split="eval", issued_at=now(),
                              eval_round=rnd.round_id)
+            await self._store_images(work)
             await self.bus.publish(SUBJECT_PROMPTS, work, work_id)
         self.log.info("eval_issued", round=rnd.round_id, version=version, final=final, n=rnd.expected)
 
@@ -716,7 +728,8 @@ class BuilderServicer(builder_pb2_grpc.BuilderServiceServicer):
 
 async def serve(config: BuilderConfig, stop: asyncio.Event) -> None:
     tokenizer = AutoTokenizer.from_pretrained(config.model_path)
-    encode = config.dataset.encoder(tokenizer)
+    processor = AutoProcessor.from_pretrained(config.model_path) if is_vision_language(config.model_path) else None
+    encode = config.dataset.encoder(tokenizer, processor)
     async with ServiceRuntime(config, stop) as runtime:
         bus = await runtime.connect_bus("builder")
         # a second builder waits here, as a standby, until the active one's lease is released or lapses

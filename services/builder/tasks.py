@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from services.builder.datasets import Task, generate_split, shuffled_epochs
 from services.common import grading
 from services.common.contracts import data_pb2
+from services.common.images import ref_of
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -47,7 +48,7 @@ def make_work(task: Task, *, work_id: str, group_id: str, group_size: int, encod
     return data_pb2.PromptWork(
         work_id=work_id, task_id=task.task_id, group_id=group_id, prompt_ids=encode(task),
         group_size=group_size, sampling=sampling, issued_version=version, issued_at=issued_at,
-        grading=grading_of(task, eval_round=eval_round), split=split)
+        grading=grading_of(task, eval_round=eval_round), split=split, images=[ref_of(b) for b in task.images])
 
 
 def make_pair(task: Task, *, group_id: str, encode: Callable[[Task], list[int]],

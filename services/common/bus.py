@@ -99,9 +99,11 @@ STREAMS = (
     StreamSpec("EVENTS", ("events.>",), max_age=30 * DAY, share=0.04),
     StreamSpec("DLQ", ("dlq.>",), max_age=30 * DAY, share=0.04),
 )
-# the builder's two buckets take the rest of the budget: the batch blobs (object store, batches over max_payload;
-# pruned once two checkpoints cover them) and its ledger (key-value). The single-active leases hold 1 MiB each.
-BLOBS_SHARE = 0.15
+# the builder's three buckets take the rest of the budget: the batch blobs (object store, batches over max_payload;
+# pruned once two checkpoints cover them), the dataset images that work and trajectories name by digest (object
+# store, services.common.images) and its ledger (key-value). The single-active leases hold 1 MiB each.
+BLOBS_SHARE = 0.12
+IMAGES_SHARE = 0.03
 LEDGER_SHARE = 0.02
 MIN_MAX_BYTES = 64 << 20
 

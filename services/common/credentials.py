@@ -25,6 +25,7 @@ ROUTE_USER = "route"
 GATEWAY_ADMIN_KEY = "gateway_admin_key"  # services.rollout.gateway.config.ADMIN_KEY_FILE's name
 KV_STREAM = "KV_meshrl_builder"      # services.builder.ledger.BUCKET
 OBJ_STREAM = "OBJ_BATCH_BLOBS"       # services.common.batches.BLOBS
+IMAGES_STREAM = "OBJ_IMAGES"         # services.common.images.BUCKET
 JS = "$JS.API"
 LEASE_PREFIX = "meshrl_lease_"       # services.common.lease.bucket_name
 LEASED = ("builder", "weight_exchange")  # the single-active services: each takes its own lease
@@ -178,13 +179,15 @@ def nats_permissions(identity: str) -> dict:
                 f"{JS}.DIRECT.GET.BATCHES", f"{JS}.DIRECT.GET.BATCHES.>",
                 f"{JS}.STREAM.CREATE.{KV_STREAM}", f"{JS}.STREAM.CREATE.{OBJ_STREAM}",
                 f"{JS}.STREAM.PURGE.{OBJ_STREAM}", *_ordered_reader(KV_STREAM), *_ordered_reader(OBJ_STREAM),
+                "$O.IMAGES.>", f"{JS}.STREAM.CREATE.{IMAGES_STREAM}", *_ordered_reader(IMAGES_STREAM),
                 *_consume("builder"), *_follow("EVENTS"), *_follow("DLQ")]
     elif identity == "trainer":
         pub += ["events.version", dlq, f"{JS}.STREAM.NAMES", f"{JS}.STREAM.MSG.GET.BATCHES", f"{JS}.DIRECT.GET.BATCHES",
-                f"{JS}.DIRECT.GET.BATCHES.>", *_ordered_reader(OBJ_STREAM)]
+                f"{JS}.DIRECT.GET.BATCHES.>", *_ordered_reader(OBJ_STREAM), *_ordered_reader(IMAGES_STREAM)]
         sub += ["batches.train.*"]     # the wake-up when the next batch is published (services.common.batches)
     elif identity == "rollout":
-        pub += ["traj.raw", "traj.scored", dlq, *_consume("rollout"), *_follow("EVENTS")]
+        pub += ["traj.raw", "traj.scored", dlq, *_consume("rollout"), *_follow("EVENTS"), f"{JS}.STREAM.NAMES",
+                *_ordered_reader(IMAGES_STREAM)]
     elif identity == "reward":
         pub += ["traj.scored", dlq, *_consume("reward")]
     elif identity == "weight_exchange":

@@ -27,6 +27,8 @@ from services.common.bus import (
 from services.common.contracts import common_pb2, data_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common.deadletters import DeadLetterWatch
 from services.common.errors import FieldError, field_error
+from services.common.hf_models import Pixels
+from services.common.images import ImageStore
 from services.common.logging import get_logger
 from services.common.rpc import (
     DEFAULT_MAX_RECEIVE,
@@ -43,7 +45,7 @@ from services.rollout.engines.base import (
     Engine,
     EngineUnhealthy,
 )
-from services.rollout.engines.sequence import Sampling
+from services.rollout.engines.sequence import Images, Sampling
 from services.rollout.workflows.single_turn import sampling_from_proto, to_trajectories, validate_work
 
 TRAJECTORIES = prometheus_client.Counter("meshrl_rollout_trajectories_total", "Trajectories published")
@@ -68,7 +70,28 @@ class Rollout:
         self.holds: set[str] = set()  # why the gate is closed: "rpc" (Pause), "weights" (stale after a restart)
         self.published = 0
         self.dead_letters = DeadLetterWatch(bus)
+        self.image_store = ImageStore(bus)  # a vision-language model's prompt images, by digest
+        self._pixels: Pixels | None = None
         self.log = get_logger().bind(rank_id=config.rank_id)
+
+    async def images_of(self, work: data_pb2.PromptWork, sampling) -> Images | None:
+        """The work's images as the engine takes them (fetched by digest, through the model's image processor),
+        checked against the prompt's placeholders; InvalidMessage naming the field when they can never run."""
+        if not work.images:
+            return None
+        if getattr(self.engine, "image_slots", None) is None:
+            raise InvalidMessage(f"images: the {self.engine.kind} engine here takes no images (a vision-language "
+                                 "model on the embedded engine does)")
+        if self._pixels is None:
+            self._pixels = await asyncio.to_thread(Pixels, self.config.engine.model_path)
+        blobs = await self.image_store.get_all(work.images)
+        try:
+            pixels = await asyncio.to_thread(self._pixels, blobs)
+            images = Images(key=tuple(ref.sha256 for ref in work.images), pixel_values=pixels)
+            self.engine.check(list(work.prompt_ids), sampling, work.group_size, images)
+        except ValueError as exc:
+            raise InvalidMessage(str(exc)) from exc
+        return images
 
     def hold(self, reason: str) -> None:
         self.holds.add(reason)
@@ -81,7 +104,9 @@ class Rollout:
 
     async def handle_work(self, work: data_pb2.PromptWork) -> None:
         sampling = validate_work(work, self.engine)  # InvalidMessage (dead-lettered) before anything is admitted
-        seqs = await self.engine.generate(list(work.prompt_ids), sampling, n=work.group_size)
+        images = await self.images_of(work, sampling)
+        seqs = await self.engine.generate(list(work.prompt_ids), sampling, n=work.group_size,
+                                          **({"images": images} if images is not None else {}))
         if any(s.finish_reason == "error" for s in seqs):
             raise InvalidMessage(f"work {work.work_id}: the model failed on this prompt")
         if any(s.finish_reason == "abort" for s in seqs):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 
 import torch
 
@@ -36,6 +37,21 @@ class PackedBatch:
     # MoE routing replay: int16[B, L, layers, top_k], the experts the rollout routed each input token to (-1: not
     # recorded, the model routes it); int16[B, 0, 0, 0] when no trajectory of the batch carries routes
     routes: torch.Tensor
+    # a vision-language batch: each row's prompt images as pixels float[B, M, C, H, W] (M: the most images of a
+    # row; float[B, 0, 0, 0, 0] for a text batch), how many of a row's M are real, and an id per distinct image set
+    # (0: none), so packing shares a prompt only between rows with the same tokens and the same images
+    pixels: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(0, 0, 0, 0, 0))
+    image_count: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    image_group: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+
+    @property
+    def pixel_values(self) -> torch.Tensor | None:
+        """Every row's images in row order, float[images, C, H, W] (the order of their placeholders in the
+        flattened input ids); None for a text batch."""
+        if self.pixels.shape[1] == 0:
+            return None
+        real = torch.arange(self.pixels.shape[1], device=self.pixels.device) < self.image_count.unsqueeze(-1)
+        return self.pixels[real]
 
     def rows(self, index: torch.Tensor) -> PackedBatch:
         return PackedBatch(**{f.name: getattr(self, f.name)[index] for f in dataclasses.fields(self)})
@@ -70,9 +86,10 @@ def finite_reward_groups(trajectories: list[data_pb2.Trajectory]) -> tuple[list[
 
 
 def pack(trajectories: list[data_pb2.Trajectory], pad_token_id: int, *,
-         temperature: float | None = None) -> PackedBatch:
+         temperature: float | None = None, pixels: Mapping[str, torch.Tensor] | None = None) -> PackedBatch:
     """The batch as tensors; ValueError naming the field for one the trainer cannot train on (`temperature`: the
-    one it computes log-probs at; a trajectory sampled at another is refused, see services.common.sampling)."""
+    one it computes log-probs at; a trajectory sampled at another is refused, see services.common.sampling).
+    `pixels`: each image the trajectories name, by digest, as float[C, H, W]."""
     if not trajectories:
         raise FieldError("trajectories", "empty batch")
     if temperature is not None:
@@ -129,7 +146,33 @@ def pack(trajectories: list[data_pb2.Trajectory], pad_token_id: int, *,
                        torch.tensor(groups, dtype=torch.long),
                        torch.tensor([len(t.completion_ids) for t in trajectories], dtype=torch.long),
                        torch.tensor([t.finish_reason == "length" for t in trajectories], dtype=torch.bool),
-                       step_rewards, step_mask, routed_experts(trajectories, width))
+                       step_rewards, step_mask, routed_experts(trajectories, width),
+                       *row_images(trajectories, pixels or {}))
+
+
+def row_images(trajectories: list[data_pb2.Trajectory], pixels: Mapping[str, torch.Tensor]
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pixels, image_count, image_group) of PackedBatch for these rows; ValueError naming the field for an image
+    whose pixels are missing."""
+    most = max(len(t.images) for t in trajectories)
+    count = torch.tensor([len(t.images) for t in trajectories], dtype=torch.long)
+    if most == 0:
+        return torch.zeros(len(trajectories), 0, 0, 0, 0), count, torch.zeros(len(trajectories), dtype=torch.long)
+    missing = next((t for t in trajectories for ref in t.images if ref.sha256 not in pixels), None)
+    if missing is not None:
+        raise FieldError("images", f"trajectory {missing.trajectory_id} names an image with no pixels here")
+    shape = next(iter(pixels.values())).shape
+    out = torch.zeros(len(trajectories), most, *shape)
+    groups: dict[tuple[str, ...], int] = {(): 0}
+    group = []
+    for row, t in enumerate(trajectories):
+        for k, ref in enumerate(t.images):
+            if pixels[ref.sha256].shape != shape:
+                raise FieldError("images", f"trajectory {t.trajectory_id}: image {k} is {tuple(pixels[ref.sha256].shape)}"
+                                 f" pixels, the batch's others {tuple(shape)}")
+            out[row, k] = pixels[ref.sha256]
+        group.append(groups.setdefault(tuple(ref.sha256 for ref in t.images), len(groups)))
+    return out, count, torch.tensor(group, dtype=torch.long)
 
 
 def routed_experts(trajectories: list[data_pb2.Trajectory], width: int) -> torch.Tensor:

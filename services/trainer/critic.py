@@ -8,6 +8,8 @@ import dataclasses
 
 import torch
 
+from services.common.errors import FieldError
+from services.common.hf_models import is_vision_language
 from services.trainer.algorithms import Algorithm, masked_mean
 from services.trainer.batching import PackedBatch
 from services.trainer.forward import evaluating
@@ -23,6 +25,8 @@ class CriticConfig:
         from transformers import AutoConfig, AutoModelForTokenClassification
 
         path = self.model_path or default_path
+        if is_vision_language(path):
+            raise FieldError("critic.model_path", f"{path} is a vision-language model; the critic takes a text model")
         config = AutoConfig.from_pretrained(path, num_labels=1)
         config.classifier_dropout = 0.0
         model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from services.common.hf_models import image_embeds
 from services.common.moe_routing import replaying
 from services.trainer.algorithms import token_logp
 from services.trainer.batching import PackedBatch
@@ -28,10 +29,21 @@ def _packed_logits(model: torch.nn.Module, batch: PackedBatch, cells: torch.Tens
     """Logits float[N, V] of the grid cells where ``cells`` (bool[B, L-1]) is set, and those cells' (rows, cols)."""
     config = active()
     assert config is not None
-    packing = pack_rows(batch.input_ids, batch.attention_mask, batch.lengths, config)
+    images = batch.image_group if batch.pixel_values is not None else None
+    packing = pack_rows(batch.input_ids, batch.attention_mask, batch.lengths, config, image_group=images)
     rows, cols = torch.nonzero(cells, as_tuple=True)
+    embeds = _input_embeds(model, batch)
+    if embeds is not None:  # the grid's embeddings, images in place, laid out as the packed tokens
+        embeds = embeds.reshape(-1, embeds.shape[-1])[packing.source.clamp(min=0)]
     with _replayed_routes(model, batch, packing.source):
-        return packed_logits(model, packing, packing.locate(rows, cols)), rows, cols
+        return packed_logits(model, packing, packing.locate(rows, cols), embeds), rows, cols
+
+
+def _input_embeds(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor | None:
+    """A vision-language batch's input embeddings float[B, L, H], each row's images in place; None for a text
+    batch."""
+    pixels = batch.pixel_values
+    return None if pixels is None else image_embeds(model, batch.input_ids, pixels, batch.image_count)
 
 
 def _replayed_routes(model: torch.nn.Module, batch: PackedBatch, source: torch.Tensor | None = None):
@@ -63,8 +75,10 @@ def sequence_logits(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
     if active() is not None:
         logits, rows, cols = _packed_logits(model, batch, batch.attention_mask[:, 1:].bool())
         return _on_grid(logits, rows, cols, batch)
+    embeds = _input_embeds(model, batch)
+    tokens = {"input_ids": batch.input_ids} if embeds is None else {"inputs_embeds": embeds}
     with _replayed_routes(model, batch):
-        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+        out = model(**tokens, attention_mask=batch.attention_mask, use_cache=False)
     return out.logits[:, :-1, :]
 
 

@@ -94,40 +94,44 @@ class Packing:
 
 
 def _units(input_ids: torch.Tensor, lengths: list[int], prompts: list[int], budget: int,
-           share: bool) -> list[tuple[int, list[int]]]:
-    """(prompt length, rows) per packing unit: the rows of a unit share their first ``prompt length`` tokens.
-    A group too long for one bin is split, each part with its own copy of the prompt."""
+           share: bool, image_group: list[int]) -> list[tuple[int, list[int]]]:
+    """(prompt length, rows) per packing unit: the rows of a unit share their first ``prompt length`` tokens (and
+    their images: the same placeholder tokens over other pictures are another prompt). A group too long for one bin
+    is split, each part with its own copy of the prompt."""
     if not share:
         return [(n, [i]) for i, n in enumerate(lengths)]
-    groups: dict[tuple[int, ...], list[int]] = {}
+    groups: dict[tuple, list[int]] = {}
     for i, (row, p) in enumerate(zip(input_ids.tolist(), prompts, strict=True)):
-        groups.setdefault(tuple(row[:p]), []).append(i)
+        groups.setdefault((image_group[i], *row[:p]), []).append(i)
     units = []
-    for prompt, rows in groups.items():
-        part, size = [], len(prompt)
+    for key, rows in groups.items():
+        prompt = len(key) - 1
+        part, size = [], prompt
         for i in rows:
-            rest = lengths[i] - len(prompt)
+            rest = lengths[i] - prompt
             if part and size + rest > budget:
-                units.append((len(prompt), part))
-                part, size = [], len(prompt)
+                units.append((prompt, part))
+                part, size = [], prompt
             part.append(i)
             size += rest
-        units.append((len(prompt), part))
+        units.append((prompt, part))
     return units
 
 
 def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_lengths: torch.Tensor,
-              config: PackingConfig, pad_token_id: int = 0) -> Packing:
+              config: PackingConfig, pad_token_id: int = 0, image_group: torch.Tensor | None = None) -> Packing:
     """Right-padded rows ([B, L], as batching.pack builds them) -> bins of at most ``config.max_tokens`` tokens
     (a longer unit gets a bin of its own). Laid out on the host in plain integers, copied with one gather and
-    scatter per tensor, then moved to the rows' device."""
+    scatter per tensor, then moved to the rows' device. ``image_group``: long[B], rows share a prompt only within
+    one group (a vision-language batch: the same images)."""
     device, input_ids, attention_mask = input_ids.device, input_ids.cpu(), attention_mask.cpu()
     lengths = attention_mask.sum(-1)
     steps = torch.arange(attention_mask.shape[1] + 1)
     assert bool((attention_mask.cumsum(-1) == steps[1:].clamp(max=lengths.unsqueeze(-1))).all()), "rows must be right-padded"
     length_of = lengths.tolist()
     prompts = (lengths - completion_lengths.cpu()).clamp(min=1).tolist()
-    units = _units(input_ids, length_of, prompts, config.max_tokens, config.share_prompts)
+    images = image_group.tolist() if image_group is not None else [0] * len(length_of)
+    units = _units(input_ids, length_of, prompts, config.max_tokens, config.share_prompts, images)
     sizes = [p + sum(length_of[i] - p for i in rows) for p, rows in units]
     bins = first_fit_decreasing(sizes, config.max_tokens)
     width = max(sum(sizes[u] for u in b) for b in bins)
@@ -185,11 +189,14 @@ def attention_mask_for(model: torch.nn.Module, packing: Packing) -> torch.Tensor
     raise FieldError("packing", f"attention implementation {kind!r} is not supported; use sdpa or eager")
 
 
-def packed_logits(model: torch.nn.Module, packing: Packing, where: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def packed_logits(model: torch.nn.Module, packing: Packing, where: tuple[torch.Tensor, torch.Tensor],
+                  embeds: torch.Tensor | None = None) -> torch.Tensor:
     """Logits float[N, V] at the packed cells ``where`` = (bins, columns). The output projection runs on those
     cells only, unless the model is FSDP-sharded: then the root forward must run (it gathers the root's
-    parameters) and projects every cell."""
-    kwargs = {"input_ids": packing.input_ids, "position_ids": packing.position_ids,
+    parameters) and projects every cell. ``embeds`` (float[bins, width, H]): the packed input embeddings, given
+    instead of the tokens (a vision-language batch, images in place)."""
+    tokens = {"input_ids": packing.input_ids} if embeds is None else {"inputs_embeds": embeds}
+    kwargs = {**tokens, "position_ids": packing.position_ids,
               "attention_mask": attention_mask_for(model, packing), "use_cache": False}
     if isinstance(model, FSDPModule):
         return model(**kwargs).logits[where]

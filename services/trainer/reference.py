@@ -22,9 +22,9 @@ class ReferenceConfig:
     def build(self, policy: torch.nn.Module, default_path: str) -> Reference:
         if is_lora(policy) and not self.model_path:
             return Reference(policy, adapters_off=True)
-        from transformers import AutoModelForCausalLM
+        from services.common.hf_models import load_lm
 
-        model = AutoModelForCausalLM.from_pretrained(self.model_path or default_path, dtype=torch.float32)
+        model = load_lm(self.model_path or default_path, torch.float32)
         return Reference(model.eval().requires_grad_(False))
 
 

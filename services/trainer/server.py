@@ -21,7 +21,9 @@ from services.common.batches import batch_subject, wait_batch
 from services.common.bus import SUBJECT_VERSIONS, TRANSIENT, Bus, InvalidMessage, wait_either
 from services.common.contracts import common_pb2, data_pb2, trainer_pb2, trainer_pb2_grpc
 from services.common.deadletters import DeadLetterWatch
+from services.common.hf_models import Pixels
 from services.common.ids import now
+from services.common.images import ImageStore
 from services.common.logging import get_logger
 from services.common.rpc import Servicer, invalid_argument
 from services.common.runtime import Backoff, ServiceRuntime, sleep_or_stop
@@ -61,6 +63,8 @@ class Trainer:
         else both are made here from ``config``. Every model operation runs on ``compute``."""
         self.config = config
         self.bus = bus
+        self.image_store = ImageStore(bus)    # a vision-language batch's images, by digest
+        self._pixels: Pixels | None = None
         if engine is None:
             compute = setup_torch(config)
             engine = compute.call(build_engine, config)
@@ -138,7 +142,9 @@ class Trainer:
             return
         started = now()
         try:
-            packed = pack(list(batch.trajectories), self.engine.pad_token_id, temperature=self.config.temperature)
+            pixels = await self.pixels_of(batch.trajectories)
+            packed = pack(list(batch.trajectories), self.engine.pad_token_id, temperature=self.config.temperature,
+                          pixels=pixels)
             self.engine.check_token_ids(packed)
         except ValueError as exc:
             await self.skip(batch.index, str(exc))
@@ -164,6 +170,18 @@ class Trainer:
         await self.after_step(metrics)
         self.log.info("step", version=self.version, reward=round(metrics["reward_mean"], 3),
                       loss=round(metrics.get("loss", 0.0), 4), staleness=int(max(staleness)))
+
+    async def pixels_of(self, trajectories) -> dict[str, torch.Tensor]:
+        """Each image the batch names, by digest, as the policy's vision tower takes it (float[C, H, W]); a batch
+        naming an image that is gone or unreadable raises InvalidMessage / ValueError and is skipped."""
+        refs = {ref.sha256: ref for t in trajectories for ref in t.images}
+        if not refs:
+            return {}
+        if self._pixels is None:
+            self._pixels = await asyncio.to_thread(Pixels, self.config.model_path)
+        blobs = await self.image_store.get_all(list(refs.values()))
+        pixels = await asyncio.to_thread(self._pixels, blobs)
+        return dict(zip(refs, pixels, strict=True))
 
     def _step(self, packed, version: int) -> dict[str, float]:
         """On the compute thread: the step, bracketed for the weight-sync sender (no torn reads)."""

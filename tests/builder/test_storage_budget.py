@@ -9,7 +9,7 @@ import pytest
 
 from services.builder.ledger import BUCKET
 from services.common.batches import BLOBS, publish_batch, read_batch
-from services.common.bus import BLOBS_SHARE, LEDGER_SHARE, STREAMS, SUBJECT_VERSIONS, Bus, InvalidMessage
+from services.common.bus import BLOBS_SHARE, IMAGES_SHARE, LEDGER_SHARE, STREAMS, SUBJECT_VERSIONS, Bus, InvalidMessage
 from services.common.contracts import data_pb2
 from tests.builder.test_flush_reliability import recovered, shut
 
@@ -25,7 +25,7 @@ def big_batch(index: int) -> data_pb2.TrainingBatch:
 
 
 def test_the_shares_split_the_whole_budget():
-    assert sum(s.share for s in STREAMS) + BLOBS_SHARE + LEDGER_SHARE == pytest.approx(1.0)
+    assert sum(s.share for s in STREAMS) + BLOBS_SHARE + IMAGES_SHARE + LEDGER_SHARE == pytest.approx(1.0)
 
 
 async def test_the_blob_store_and_the_ledger_are_capped_inside_the_budget(nats_server):

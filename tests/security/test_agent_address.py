@@ -14,7 +14,7 @@ from services.weight_exchange.client.layout import RECEIVER, RankLayout
 from services.weight_exchange.client.layouts.hf import hf_full_shards
 from services.weight_exchange.coordinator import Coordinator
 from services.weight_exchange.server import WeightExchangeServicer, agent_is_caller, peer_ip
-from tests.security.test_auth_matrix import config_of, creds, tiny_params  # noqa: F401 - the fixture
+from tests.security.test_auth_matrix import config_of, tiny_params
 
 RANK_KEY = "00" * 32
 

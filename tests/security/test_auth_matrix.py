@@ -125,11 +125,6 @@ def report(capsys, plane: str) -> None:
         print(f"\nauth matrix [{plane}]: {t.cells} cells, {t.refused} refused ({t.refused / t.cells:.1%})")
 
 
-@pytest.fixture
-def creds(tmp_path) -> RunCredentials:
-    return RunCredentials.ensure(tmp_path / "secrets")
-
-
 def config_of(creds: RunCredentials, identity: str) -> ServiceConfig:
     return ServiceConfig(grpc_address="127.0.0.1:0", metrics_port=-1, **creds.service_config(identity))
 

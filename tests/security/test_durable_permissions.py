@@ -13,26 +13,11 @@ import nats
 import nats.errors
 import pytest
 
-from launcher.processes import NatsServer
 from services.common.auth import OPERATOR, SERVICES
 from services.common.bus import CONSUMERS, Bus
 from services.common.credentials import RunCredentials
 
 JS = "$JS.API"
-
-
-@pytest.fixture
-def creds(tmp_path) -> RunCredentials:
-    return RunCredentials.ensure(tmp_path / "secrets")
-
-
-@pytest.fixture
-def nats_with_auth(creds, tmp_path):
-    server = NatsServer(tmp_path / "nats", authorization=creds.nats_authorization(),
-                        config_path=creds.directory / "nats.conf", log_path=tmp_path / "nats.log")
-    server.start()
-    yield server
-    server.stop()
 
 
 async def connect_as(url: str, creds: RunCredentials, identity: str, errors: list[str]) -> nats.NATS:

@@ -18,14 +18,15 @@ import pathlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from services.builder.datasets import arithmetic, files, gym, human_eval
+from services.builder.datasets import arithmetic, files, gym, human_eval, shapes
 from services.builder.datasets.render import PromptEncoder
 from services.builder.datasets.rows import to_tasks
 from services.builder.datasets.splits import filter_length, hold_out
 from services.builder.datasets.task import Task
 from services.common.errors import FieldError
 
-SOURCES = ("arithmetic", *files.FILE_SOURCES, "reasoning_gym", "human_eval")
+SOURCES = ("arithmetic", *files.FILE_SOURCES, "reasoning_gym", "human_eval", "shapes")
+GENERATED = ("arithmetic", "shapes")  # built-in generators: their splits are drawn, rendered raw by default
 RENDERS = ("auto", "chat", "raw")
 
 
@@ -47,7 +48,7 @@ class Dataset:
 
 @dataclasses.dataclass(kw_only=True)
 class DatasetConfig:
-    source: str = ""              # arithmetic | jsonl | parquet | disk | reasoning_gym; "" = inferred
+    source: str = ""              # arithmetic | jsonl | parquet | disk | reasoning_gym | human_eval | shapes; "" = inferred
     train: str = ""               # file or save_to_disk directory
     eval: str = ""                # file or directory; or eval_fraction, or a saved DatasetDict's eval_split
     eval_fraction: float = 0.0    # held out of train when there is no eval file
@@ -56,7 +57,8 @@ class DatasetConfig:
     eval_split: str = "test"
     eval_limit: int = 0           # at most this many eval rows (0: all); generators use the builder's eval_size
     family: str = ""              # reasoning_gym: the task family, e.g. countdown
-    options: dict[str, Any] = dataclasses.field(default_factory=dict)  # reasoning_gym: the family's options
+    # reasoning_gym: the family's options; shapes: image_size (pixels a side, default 32)
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
     prompt_field: str = "prompt"
     messages_field: str = "messages"
     answer_field: str = "answer"
@@ -66,7 +68,7 @@ class DatasetConfig:
     verifier_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     shaping: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # e.g. [{name: format, weight: 0.1}]
     extract: str = ""             # how the reward service finds the answer (last_number | tag | all); "": its default
-    render: str = "auto"          # chat | raw | auto (raw for arithmetic, chat otherwise)
+    render: str = "auto"          # chat | raw | auto (raw for arithmetic and shapes, chat otherwise)
     system_prompt: str = ""
     few_shot: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # [{prompt: ..., answer: ...}]
     max_prompt_tokens: int = 0    # longer rendered prompts are dropped (and counted); 0: no limit
@@ -101,12 +103,21 @@ class DatasetConfig:
                 raise FieldError("family", "required for source reasoning_gym")
             if self.train or self.eval or self.eval_fraction:
                 raise FieldError("train", "reasoning_gym generates its splits; set family (and options), not files")
-        elif self.family or self.options:
-            raise FieldError(f"{'family' if self.family else 'options'}", "only for source reasoning_gym")
+        elif self.family:
+            raise FieldError("family", "only for source reasoning_gym")
+        elif kind == "shapes":
+            unknown = set(self.options) - {"image_size"}
+            if unknown:
+                raise FieldError(f"options.{sorted(unknown)[0]}", "unknown for source shapes (known: image_size)")
+            size = self.options.get("image_size", shapes.DEFAULT_SIZE)
+            if isinstance(size, bool) or not isinstance(size, int) or size < shapes.MIN_SIZE:
+                raise FieldError("options.image_size", f"must be an integer >= {shapes.MIN_SIZE}, got {size!r}")
+        elif self.options:
+            raise FieldError("options", "only for sources reasoning_gym and shapes")
         if kind == "human_eval" and (self.train or self.eval):
             raise FieldError("train", "human_eval reads the human-eval package's problems; set eval_fraction, not files")
-        if kind == "arithmetic" and (self.train or self.eval):
-            raise FieldError("train", "the arithmetic source generates its splits; set source for a file")
+        if kind in GENERATED and (self.train or self.eval):
+            raise FieldError("train", f"the {kind} source generates its splits; set source for a file")
         if kind in files.FILE_SOURCES and not self.train:
             raise FieldError("train", f"required for source {kind}")
         if self.preference and kind not in files.FILE_SOURCES:
@@ -139,7 +150,7 @@ class DatasetConfig:
 
     @property
     def chat(self) -> bool:
-        return self.render == "chat" or (self.render == "auto" and self.kind != "arithmetic")
+        return self.render == "chat" or (self.render == "auto" and self.kind not in GENERATED)
 
     def grading(self) -> dict[str, Any]:
         """What every task's metadata starts with (a row's own verifier overrides ``verifier``)."""
@@ -154,8 +165,10 @@ class DatasetConfig:
             out["extract"] = self.extract
         return out
 
-    def encoder(self, tokenizer) -> PromptEncoder:
-        return PromptEncoder(tokenizer, chat=self.chat, system_prompt=self.system_prompt, few_shot=self.few_shot)
+    def encoder(self, tokenizer, processor=None) -> PromptEncoder:
+        """``processor``: a vision-language model's (it expands each image placeholder of a prompt with images)."""
+        return PromptEncoder(tokenizer, chat=self.chat, system_prompt=self.system_prompt, few_shot=self.few_shot,
+                             processor=processor)
 
     def build(self, *, seed: int, train_size: int, eval_size: int) -> Dataset:
         """Both splits, read or generated (``train_size`` / ``eval_size`` size the generators)."""
@@ -166,6 +179,10 @@ class DatasetConfig:
             if self.verifier or self.verifier_options or self.shaping or self.extract:
                 dataset = Dataset(*[[dataclasses.replace(t, metadata={**t.metadata, **self.grading()}) for t in split]
                                     for split in (dataset.train, dataset.eval)])
+        elif kind == "shapes":
+            size = self.options.get("image_size", shapes.DEFAULT_SIZE)
+            dataset = Dataset(shapes.generate_split("train", train_size, seed, size),
+                              shapes.generate_split("eval", eval_size, seed, size))
         elif kind == "reasoning_gym":
             dataset = Dataset(*[gym.generate(self.family, self.options, size=size, seed=seed, split=split,
                                              grading=self.grading())

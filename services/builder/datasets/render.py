@@ -9,6 +9,7 @@ task's prompt); put separators in the texts themselves.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -39,7 +40,7 @@ class PromptEncoder:
     """Task -> prompt token ids, with the tokenizer of the model being trained."""
 
     def __init__(self, tokenizer, *, chat: bool, system_prompt: str = "",
-                 few_shot: Sequence[Mapping[str, str]] = ()) -> None:
+                 few_shot: Sequence[Mapping[str, str]] = (), processor=None) -> None:
         if chat and not getattr(tokenizer, "chat_template", None):
             raise FieldError("dataset.render", "'chat' but the model's tokenizer has no chat template; "
                              "set render: raw")
@@ -47,6 +48,7 @@ class PromptEncoder:
         self.chat = chat
         self.system_prompt = system_prompt
         self.few_shot = list(few_shot)
+        self.processor = processor  # a vision-language model's: expands each image placeholder to its tokens
 
     def text(self, task: Task) -> str:
         if not self.chat:
@@ -56,4 +58,16 @@ class PromptEncoder:
 
     def __call__(self, task: Task) -> list[int]:
         # what apply_chat_template(tokenize=True) does: the rendered text, without adding special tokens again
-        return self.tokenizer.encode(self.text(task), add_special_tokens=False)
+        if not task.images:
+            return self.tokenizer.encode(self.text(task), add_special_tokens=False)
+        if self.processor is None:
+            raise FieldError("dataset", f"task {task.task_id} has images but the model takes none (it is not a "
+                             "vision-language model)")
+        from PIL import Image
+
+        images = [Image.open(io.BytesIO(blob)).convert("RGB") for blob in task.images]
+        try:
+            out = self.processor(text=[self.text(task)], images=images, add_special_tokens=False)
+        except ValueError as exc:  # placeholders and images disagree
+            raise FieldError("dataset", f"task {task.task_id}: {exc}") from exc
+        return list(out["input_ids"][0])

@@ -25,6 +25,8 @@ class Task:
     # pre-scored pair for DPO; nothing is generated for it)
     chosen: str | None = None
     rejected: str | None = None
+    # encoded images (PNG, JPEG...) in the order of the prompt's image placeholders, for a vision-language model
+    images: tuple[bytes, ...] = dataclasses.field(default=(), hash=False, repr=False)
 
     @property
     def is_pair(self) -> bool:

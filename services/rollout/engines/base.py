@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from services.common.errors import FieldError
-from services.rollout.engines.sequence import Sampling, Sequence
+from services.rollout.engines.sequence import Images, Sampling, Sequence
 
 MAX_SAMPLES = 1024  # samples of one prompt per call (Generate.n, PromptWork.group_size)
 
@@ -114,6 +114,23 @@ def check_request(prompt_ids: list[int], sampling: Sampling, n: int, *, max_cont
     check_token_ids(sampling.stop_token_ids, vocab_size, "stop_token_ids", allow_empty=True)
     if sampling.max_new_tokens > max_context:
         raise FieldError("max_new_tokens", f"must be <= the engine's context {max_context}, got {sampling.max_new_tokens}")
+
+
+def check_images(prompt_ids: list[int], images: Images | None, slots: tuple[int, int] | None) -> None:
+    """ValueError naming the field unless the prompt's image placeholders match its images: `slots` is the
+    model's (placeholder token id, placeholders per image), None for a model that takes no images."""
+    if slots is None:
+        if images is not None:
+            raise FieldError("images", "this engine's model takes no images (it is not a vision-language model)")
+        return
+    token, per_image = slots
+    placeholders = sum(1 for t in prompt_ids if t == token)
+    count = 0 if images is None else len(images.key)
+    if placeholders != count * per_image:
+        raise FieldError("images", f"{count} image(s) take {count * per_image} placeholder tokens (id {token}), the "
+                         f"prompt has {placeholders}")
+    if images is not None and tuple(images.pixel_values.shape[:1]) != (count,):
+        raise FieldError("images", f"pixel_values holds {images.pixel_values.shape[0]} images, the key names {count}")
 
 
 def check_token_ids(ids, vocab_size: int | None, field: str, *, allow_empty: bool = False) -> None:

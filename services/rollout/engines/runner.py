@@ -26,6 +26,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from services.common.cpu_features import native_bf16, onednn_linear
+from services.common.hf_models import image_embeds
 from services.common.moe_routing import routers_of
 from services.rollout.engines.prefix_cache import PrefixCache
 from services.rollout.engines.sampler import sample
@@ -194,20 +195,27 @@ class ModelRunner:
         """Run each distinct context once (the samples of one prompt share it), then give every row its copy.
         With a prefix cache, contexts that start with a stored prefix compute only the rest (grouped by the
         prefix's length, so each group is one batch), and each context's own prefix is stored afterwards."""
-        distinct: dict[tuple[int, ...], int] = {}
-        row_of = [distinct.setdefault(tuple(s.context), len(distinct)) for s in rows]
-        contexts = list(distinct)
+        distinct: dict[tuple, int] = {}
+        row_of = [distinct.setdefault(s.context_key, len(distinct)) for s in rows]
+        first: dict[int, Sequence] = {}
+        for seq, c in zip(rows, row_of, strict=True):
+            first.setdefault(c, seq)
+        contexts = [tuple(first[c].context) for c in range(len(first))]
+        images = [first[c].images for c in range(len(first))]
         groups: dict[int, list[int]] = {}   # cached prefix length -> contexts
         prefixes: list[list | None] = [None] * len(contexts)
         prefix_routes: list[torch.Tensor | None] = [None] * len(contexts)
         for i, ctx in enumerate(contexts):
-            hit, prefixes[i], prefix_routes[i] = self.prefix.lookup(ctx) if self.prefix is not None else (0, None, None)
+            # a context with images is never looked up nor stored: its tokens alone do not name its KV
+            cached = self.prefix is not None and images[i] is None
+            hit, prefixes[i], prefix_routes[i] = self.prefix.lookup(ctx) if cached else (0, None, None)
             groups.setdefault(hit, []).append(i)
         routes: list[torch.Tensor | None] = [None] * len(contexts)
         parts = []
         for hit, members in groups.items():
             with self._recording() as recording:
-                parts.append(self._forward([contexts[i] for i in members], hit, [prefixes[i] for i in members]))
+                parts.append(self._forward([contexts[i] for i in members], hit, [prefixes[i] for i in members],
+                                           [images[i] for i in members]))
             if recording is not None:
                 for i, r in zip(members, self._context_routes(recording, [contexts[i] for i in members], hit,
                                                              [prefix_routes[i] for i in members]), strict=True):
@@ -221,7 +229,8 @@ class ModelRunner:
             self.prefix = None  # sliding windows or recurrent states: a prefix's KV is not a plain per-layer slice
         if self.prefix is not None:
             for slot, i in enumerate(order):
-                self.prefix.insert(contexts[i], functools.partial(_row_kv, cache, mask, slot), routes[i])
+                if images[i] is None:
+                    self.prefix.insert(contexts[i], functools.partial(_row_kv, cache, mask, slot), routes[i])
         if self.routers is not None:
             for seq, c in zip(rows, row_of, strict=True):
                 seq.routes = [routes[c]]  # a prefill computes every position again: earlier records are replaced
@@ -235,9 +244,11 @@ class ModelRunner:
             mask, positions, logits = mask[index_t], positions[index_t], logits[index_t]
         return cache, mask, positions, logits
 
-    def _forward(self, contexts: list[tuple[int, ...]], hit: int, prefixes: list) -> tuple:
+    def _forward(self, contexts: list[tuple[int, ...]], hit: int, prefixes: list, images: list) -> tuple:
         """One batch through the model: each context's tokens after its first `hit` (whose KV `prefixes` holds),
-        left-padded to a common width; the KV columns are [prefix | padding | rest], the mask 0 on the padding."""
+        left-padded to a common width; the KV columns are [prefix | padding | rest], the mask 0 on the padding.
+        The contexts' images (a vision-language model) go in as one pixel batch, in row order: the model puts each
+        image's features at its placeholders, which are in that order."""
         width = max(len(c) for c in contexts) - hit
         ids = torch.full((len(contexts), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(contexts), hit + width), dtype=torch.long)
@@ -254,7 +265,13 @@ class ModelRunner:
                                                  for kv in layers])
         else:
             cache = DynamicCache()
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+        pixels = [im.pixel_values for im in images if im is not None]
+        if pixels:  # the prompts' placeholders take their images' features (sampled placeholders stay tokens)
+            count = torch.tensor([0 if im is None else len(im.key) for im in images])
+            tokens = {"inputs_embeds": image_embeds(self.model, ids, torch.cat(pixels).to(self.device), count)}
+        else:
+            tokens = {"input_ids": ids}
+        out = self.model(**tokens, attention_mask=mask, position_ids=positions,
                          cache=cache, use_cache=True, logits_to_keep=1)
         return cache, mask, positions[:, -1], out.logits[:, -1, :]
 

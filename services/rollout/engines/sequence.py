@@ -67,6 +67,14 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Images:
+    """A prompt's images for a vision-language model: their digests (what makes two prompts with the same tokens
+    different) and their pixels [images, channels, height, width], in the order of the prompt's placeholders."""
+    key: tuple[str, ...]
+    pixel_values: object  # torch.Tensor (not imported here: the scheduler is pure)
+
+
 @dataclasses.dataclass(eq=False)
 class Sequence:
     prompt_ids: list[int]
@@ -83,10 +91,17 @@ class Sequence:
     # MoE routing replay (an engine recording routes): chunks of [positions, layers, top_k] expert indices, in
     # order, for the tokens of `context` the engine fed through the model (all but the last one sampled)
     routes: list | None = None
+    images: Images | None = None  # fed with the prompt at every prefill (the first, and after a weight update)
 
     @property
     def context(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def context_key(self) -> tuple:
+        """What identifies the context's KV: its tokens, and its images' digests when it has images."""
+        tokens = tuple(self.context)
+        return tokens if self.images is None else (tokens, self.images.key)
 
     @property
     def num_versions(self) -> int:

@@ -26,18 +26,19 @@ import time
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoTokenizer, PreTrainedModel
 
 from services.common.cpu_features import describe
 from services.common.device import check_device, resolve_device
 from services.common.errors import FieldError
+from services.common.hf_models import image_slots, load_lm
 from services.common.logging import get_logger
 from services.common.torch_threads import fix_torch_threads
-from services.rollout.engines.base import EngineStats, EngineUnhealthy, check_request
+from services.rollout.engines.base import EngineStats, EngineUnhealthy, check_images, check_request
 from services.rollout.engines.lora_merge import AdapterConfig, AdapterMerge
 from services.rollout.engines.runner import ModelRunner
 from services.rollout.engines.scheduler import Scheduler, Step
-from services.rollout.engines.sequence import Sampling, Sequence, Status
+from services.rollout.engines.sequence import Images, Sampling, Sequence, Status
 
 DTYPES = ("float32", "bfloat16")
 UNHEALTHY_AFTER = 3  # consecutive steps on which every row failed, even alone
@@ -71,7 +72,7 @@ class EngineConfig:
         # op got ~40% slower (a SmolLM2 bf16 decode step 44 -> 62 ms).
         fix_torch_threads(1)
         device = resolve_device(self.device)
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, self.dtype)).to(device)
+        model = load_lm(self.model_path, getattr(torch, self.dtype)).to(device)
         _own_memory(model)
         tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         engine = EmbeddedEngine(model, eos_token_id=tokenizer.eos_token_id,
@@ -96,6 +97,7 @@ class EmbeddedEngine:
         self.version = version
         self.scheduler = Scheduler(max_batch=max_batch, eos_token_id=eos_token_id, max_context=max_context)
         self.vocab_size = _vocab_size(model)
+        self.image_slots = image_slots(model)  # (placeholder id, placeholders per image); None: a text model
         self.runner = ModelRunner(model, pad_token_id=pad_token_id, seed=seed, prepack=prepack,
                                   prefix_cache_bytes=prefix_cache_bytes, record_routes=record_routes)
         self.stats = EngineStats()
@@ -151,14 +153,17 @@ class EmbeddedEngine:
     def max_context(self) -> int:
         return self.scheduler.max_context
 
-    def check(self, prompt_ids: list[int], sampling: Sampling, n: int = 1) -> None:
+    def check(self, prompt_ids: list[int], sampling: Sampling, n: int = 1, images: Images | None = None) -> None:
         """ValueError naming the field when a request cannot run here; nothing is admitted before this passed."""
         check_request(prompt_ids, sampling, n, max_context=self.scheduler.max_context, vocab_size=self.vocab_size)
+        check_images(prompt_ids, images, self.image_slots)
 
-    def submit(self, prompt_ids: list[int], sampling: Sampling, on_finish, *, priority: bool = False) -> Sequence:
+    def submit(self, prompt_ids: list[int], sampling: Sampling, on_finish, *, priority: bool = False,
+               images: Images | None = None) -> Sequence:
         """Admit one sequence (after `check`: ValueError naming the field when it cannot run)."""
-        self.check(prompt_ids, sampling)
-        seq = Sequence(prompt_ids=list(prompt_ids), sampling=sampling, on_finish=on_finish, priority=priority)
+        self.check(prompt_ids, sampling, images=images)
+        seq = Sequence(prompt_ids=list(prompt_ids), sampling=sampling, on_finish=on_finish, priority=priority,
+                       images=images)
         with self._cv:
             if self.failure is not None:
                 raise EngineUnhealthy(self.failure)
@@ -182,15 +187,16 @@ class EmbeddedEngine:
         if now:
             self._finish(seq)
 
-    async def generate(self, prompt_ids: list[int], sampling: Sampling, n: int = 1) -> list[Sequence]:
+    async def generate(self, prompt_ids: list[int], sampling: Sampling, n: int = 1,
+                       images: Images | None = None) -> list[Sequence]:
         """Submit n samples of one prompt and wait for all of them (all checked before any is admitted)."""
-        self.check(prompt_ids, sampling, n)
+        self.check(prompt_ids, sampling, n, images)
         if self.failure is not None:
             raise EngineUnhealthy(self.failure)
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         group = _Group(n, lambda: loop.call_soon_threadsafe(_resolve, done, None))  # one wake-up per group
-        seqs = [self.submit(prompt_ids, sampling, group.finished) for _ in range(n)]
+        seqs = [self.submit(prompt_ids, sampling, group.finished, images=images) for _ in range(n)]
         try:
             await done
         except asyncio.CancelledError:  # the caller gave up (a handler past its ceiling): free the slots

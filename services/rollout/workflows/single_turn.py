@@ -11,6 +11,7 @@ from typing import Any
 from services.common.bus import InvalidMessage
 from services.common.contracts import data_pb2
 from services.common.ids import HEADER_ID, now
+from services.common.images import check_refs
 from services.common.moe_routing import to_proto
 from services.rollout.engines.base import MAX_SAMPLES
 from services.rollout.engines.sequence import Sampling, Sequence
@@ -50,7 +51,8 @@ def validate_work(work: data_pb2.PromptWork, engine: Any = None) -> Sampling:
     if work.split not in SPLITS:
         raise InvalidMessage(f"split: expected 'train' or 'eval', got {work.split!r}")
     sampling = sampling_from_proto(work.sampling)
-    if engine is not None:
+    check_refs(work.images)
+    if engine is not None and not work.images:  # with images: checked once they are pixels (Rollout.images_of)
         try:
             engine.check(list(work.prompt_ids), sampling, work.group_size)
         except ValueError as exc:
@@ -70,7 +72,7 @@ def to_trajectories(work: data_pb2.PromptWork, seqs: list[Sequence]) -> list[dat
             behavior_logprobs=seq.logprobs, versions=seq.versions, loss_mask=[1] * len(seq.output_ids),
             finish_reason=seq.finish_reason, created_at=work.issued_at, generated_at=finished,
             source="workflow", grading=work.grading, split=work.split, sampling=sampled,
-            routed_experts=to_proto(seq.routes, len(work.prompt_ids) + len(seq.output_ids)),
+            routed_experts=to_proto(seq.routes, len(work.prompt_ids) + len(seq.output_ids)), images=work.images,
         )
         for i, seq in enumerate(seqs)
     ]

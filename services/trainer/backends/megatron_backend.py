@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM
 
 from services.common.device import host_copy
 from services.common.errors import FieldError
+from services.common.hf_models import is_vision_language
 from services.trainer.backends import group
 from services.trainer.backends.shards import RowShards
 from services.trainer.backends.torch_backend import TorchBackend, check_written_for
@@ -44,6 +45,8 @@ class MegatronBackend(TorchBackend):
         from services.weight_exchange.client.layouts.model import model_spec
         from services.weight_exchange.client.layouts.topology import megatron_parallel, parse_side
 
+        if is_vision_language(config.model_path):
+            raise FieldError("backend", "megatron does not train vision-language models yet; use backend torch")
         self.owns_group = group.join(config)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         m = config.megatron

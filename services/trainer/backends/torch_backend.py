@@ -10,11 +10,12 @@ import time
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from services.common.cpu_features import describe, native_bf16
 from services.common.device import host_copy, resolve_device
 from services.common.errors import FieldError
+from services.common.hf_models import load_lm
 from services.common.logging import get_logger
 from services.common.moe_routing import routers_of
 from services.trainer.backends.base import TrainerBackend
@@ -81,7 +82,7 @@ class TorchBackend(TrainerBackend):
 
     def load_policy(self) -> torch.nn.Module:
         """The policy as its checkpoint holds it (Megatron: this rank's shards behind a causal-LM interface)."""
-        return AutoModelForCausalLM.from_pretrained(self.config.model_path, dtype=torch.float32)
+        return load_lm(self.config.model_path, torch.float32)
 
     def clip_grads(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Clip the gradients to ``max_norm`` in place; the norm before clipping (Megatron: over its ranks)."""

@@ -52,7 +52,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class PromptWork(_message.Message):
-    __slots__ = ("work_id", "task_id", "group_id", "prompt_ids", "group_size", "sampling", "issued_version", "issued_at", "split", "grading")
+    __slots__ = ("work_id", "task_id", "group_id", "prompt_ids", "group_size", "sampling", "issued_version", "issued_at", "split", "grading", "images")
     WORK_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class PromptWork(_message.Message):
     ISSUED_AT_FIELD_NUMBER: _ClassVar[int]
     SPLIT_FIELD_NUMBER: _ClassVar[int]
     GRADING_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     work_id: str
     task_id: str
     group_id: str
@@ -73,7 +74,16 @@ class PromptWork(_message.Message):
     issued_at: float
     split: str
     grading: Grading
-    def __init__(self, work_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., issued_version: _Optional[int] = ..., issued_at: _Optional[float] = ..., split: _Optional[str] = ..., grading: _Optional[_Union[Grading, _Mapping]] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[ImageRef]
+    def __init__(self, work_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., issued_version: _Optional[int] = ..., issued_at: _Optional[float] = ..., split: _Optional[str] = ..., grading: _Optional[_Union[Grading, _Mapping]] = ..., images: _Optional[_Iterable[_Union[ImageRef, _Mapping]]] = ...) -> None: ...
+
+class ImageRef(_message.Message):
+    __slots__ = ("sha256", "size")
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    size: int
+    def __init__(self, sha256: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class Grading(_message.Message):
     __slots__ = ("answer", "question", "verifier", "extract", "verifier_options", "shaping", "rg_entry", "row", "extra", "eval_round", "response", "add_reward")
@@ -112,7 +122,7 @@ class ShapingTerm(_message.Message):
     def __init__(self, name: _Optional[str] = ..., options: _Optional[bytes] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("trajectory_id", "group_id", "task_id", "work_id", "group_size", "prompt_ids", "completion_ids", "behavior_logprobs", "versions", "loss_mask", "reward", "scored", "finish_reason", "created_at", "generated_at", "scored_at", "source", "metadata", "split", "verifier", "step_rewards", "sampling", "grading", "routed_experts")
+    __slots__ = ("trajectory_id", "group_id", "task_id", "work_id", "group_size", "prompt_ids", "completion_ids", "behavior_logprobs", "versions", "loss_mask", "reward", "scored", "finish_reason", "created_at", "generated_at", "scored_at", "source", "metadata", "split", "verifier", "step_rewards", "sampling", "grading", "routed_experts", "images")
     TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +147,7 @@ class Trajectory(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     GRADING_FIELD_NUMBER: _ClassVar[int]
     ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     trajectory_id: str
     group_id: str
     task_id: str
@@ -161,7 +172,8 @@ class Trajectory(_message.Message):
     sampling: SamplingParams
     grading: Grading
     routed_experts: RoutedExperts
-    def __init__(self, trajectory_id: _Optional[str] = ..., group_id: _Optional[str] = ..., task_id: _Optional[str] = ..., work_id: _Optional[str] = ..., group_size: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., completion_ids: _Optional[_Iterable[int]] = ..., behavior_logprobs: _Optional[_Iterable[float]] = ..., versions: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., scored: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., created_at: _Optional[float] = ..., generated_at: _Optional[float] = ..., scored_at: _Optional[float] = ..., source: _Optional[str] = ..., metadata: _Optional[bytes] = ..., split: _Optional[str] = ..., verifier: _Optional[str] = ..., step_rewards: _Optional[_Iterable[_Union[StepReward, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., grading: _Optional[_Union[Grading, _Mapping]] = ..., routed_experts: _Optional[_Union[RoutedExperts, _Mapping]] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[ImageRef]
+    def __init__(self, trajectory_id: _Optional[str] = ..., group_id: _Optional[str] = ..., task_id: _Optional[str] = ..., work_id: _Optional[str] = ..., group_size: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., completion_ids: _Optional[_Iterable[int]] = ..., behavior_logprobs: _Optional[_Iterable[float]] = ..., versions: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., scored: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., created_at: _Optional[float] = ..., generated_at: _Optional[float] = ..., scored_at: _Optional[float] = ..., source: _Optional[str] = ..., metadata: _Optional[bytes] = ..., split: _Optional[str] = ..., verifier: _Optional[str] = ..., step_rewards: _Optional[_Iterable[_Union[StepReward, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., grading: _Optional[_Union[Grading, _Mapping]] = ..., routed_experts: _Optional[_Union[RoutedExperts, _Mapping]] = ..., images: _Optional[_Iterable[_Union[ImageRef, _Mapping]]] = ...) -> None: ...
 
 class TrajectoryGroup(_message.Message):
     __slots__ = ("group_id", "trajectories")

@@ -66,8 +66,8 @@ MODELS = {"tiny-qwen3": [], "tiny-qwen3-chat": ["--chat", "--band", "0.3", "0.45
           "tiny-qwen3-tools": ["--tools", "--band", "0.3", "0.5", "--eval-every", "25"],
           "tiny-qwen3-moe": ["--experts", "4"],  # a Qwen3-MoE: 4 experts a layer, top-2 (configs/megatron-moe.yaml)
           # a LLaVA (SigLIP tower + the tiny Qwen3) counting shapes in pictures (configs/vlm.yaml); its SFT jumps
-          # from chance to ~1.0 within 60 steps, so it is evaluated every 10 and stopped just past chance
-          "tiny-vlm": ["--vision", "--band", "0.3", "0.45", "--eval-every", "10"]}
+          # from chance to ~1.0 within 60 steps, so it is evaluated every 10 and stopped half way (RL: the other half)
+          "tiny-vlm": ["--vision", "--band", "0.45", "0.6", "--eval-every", "10"]}
 assert tuple(MODELS) == BUILT_IN_MODELS  # the run config tells built-in models from the user's by these names
 
 

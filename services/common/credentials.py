@@ -186,8 +186,9 @@ def nats_permissions(identity: str) -> dict:
                 f"{JS}.DIRECT.GET.BATCHES.>", *_ordered_reader(OBJ_STREAM), *_ordered_reader(IMAGES_STREAM)]
         sub += ["batches.train.*"]     # the wake-up when the next batch is published (services.common.batches)
     elif identity == "rollout":
+        # IMAGES: the work's images are read; an agent session's (the gateway) are written at its export
         pub += ["traj.raw", "traj.scored", dlq, *_consume("rollout"), *_follow("EVENTS"), f"{JS}.STREAM.NAMES",
-                *_ordered_reader(IMAGES_STREAM)]
+                "$O.IMAGES.>", f"{JS}.STREAM.CREATE.{IMAGES_STREAM}", *_ordered_reader(IMAGES_STREAM)]
     elif identity == "reward":
         pub += ["traj.scored", dlq, *_consume("reward")]
     elif identity == "weight_exchange":

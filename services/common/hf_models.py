@@ -27,7 +27,7 @@ def load_lm(path: str | pathlib.Path, dtype: torch.dtype) -> PreTrainedModel:
 
 def image_slots(model: PreTrainedModel) -> tuple[int, int] | None:
     """(image placeholder token id, placeholders per image) of a vision-language model; None for a text model."""
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)  # test doubles of a model may have none
     if getattr(config, "vision_config", None) is None:
         return None
     return int(config.image_token_id), int(config.image_seq_length)

@@ -324,12 +324,25 @@ async def _serve_gateway(config: RolloutConfig, engine: Engine, bus: Bus, stop: 
     supervise([feed], stop)
     try:
         await serve_gateway(create_app(config.gateway, engine, tokenizer, publish, budget, run_dir=config.run_dir,
-                                       reward=reward), config.gateway, stop)
+                                       reward=reward, vision=_vision(config, engine, tokenizer, bus)),
+                            config.gateway, stop)
     finally:
         feed.cancel()
         await asyncio.gather(feed, return_exceptions=True)
         if reward is not None:
             await reward.close()
+
+
+def _vision(config: RolloutConfig, engine: Engine, tokenizer, bus: Bus):
+    """The gateway's image handling for a vision-language policy on the embedded engine; None otherwise."""
+    slots = getattr(engine, "image_slots", None)
+    if slots is None:
+        return None
+    from services.rollout.gateway.images import Vision
+
+    token_id, per_image = slots
+    return Vision(token_text=tokenizer.convert_ids_to_tokens(token_id), token_id=token_id, per_image=per_image,
+                  pixels=Pixels(config.engine.model_path), store=ImageStore(bus))
 
 
 async def follow_budget(bus: Bus, budget, stop: asyncio.Event) -> None:

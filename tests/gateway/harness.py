@@ -25,7 +25,7 @@ ADMIN = "test-admin-key"
 
 class GatewayServer:
     def __init__(self, engine: Any, tokenizer: Any, *, admin_key: str = ADMIN, run_dir: Any = None, reward: Any = None,
-                 **config: Any) -> None:
+                 vision: Any = None, **config: Any) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.published: list[data_pb2.Trajectory] = []
@@ -33,7 +33,8 @@ class GatewayServer:
         self.max_payload = 0                 # > 0: a trajectory over this many bytes is refused as the bus does
         self.hold_publish = threading.Event()  # set: publishes wait (a slow bus) until it is cleared (at most 60 s)
         self.config = GatewayConfig(port=free_port(), admin_key=admin_key, **config)
-        self.app = create_app(self.config, engine, tokenizer, self._publish, run_dir=run_dir, reward=reward)
+        self.app = create_app(self.config, engine, tokenizer, self._publish, run_dir=run_dir, reward=reward,
+                              vision=vision)
         self.gateway = self.app.state.gateway
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None

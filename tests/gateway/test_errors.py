@@ -79,6 +79,10 @@ def test_missing_and_unknown_keys_are_401_in_each_dialect(gw, session):
     ({**CHAT, "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({**CHAT, "tool_choice": "required"}, "tool_choice"),
     ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0].image_url.url"),
+    ({"model": "m", "messages": [{"role": "system", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0].type"),  # only a user's message may hold images
+    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
      "messages[0].content[0].type"),
     ({"model": "m", "messages": [{"role": "user", "content": "x" * 2000}]}, "messages"),
 ])

@@ -1,6 +1,6 @@
 """Dataset images by digest in the IMAGES object store, on a real nats-server: stored once, read back verified,
-refused by name when missing or corrupt; with the launcher's permissions the builder writes them and the rollout
-and trainer only read them."""
+refused by name when missing or corrupt; with the launcher's permissions the builder (dataset images) and the rollout
+(an agent session's, exported by the gateway) write them and the trainer only reads them."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def test_malformed_references_are_refused_naming_the_field():
         check_refs([empty])
 
 
-async def test_the_builder_writes_images_and_the_rollout_and_trainer_read_them(nats_with_auth, creds):
+async def test_the_builder_and_the_gateway_write_images_and_the_trainer_only_reads_them(nats_with_auth, creds):
     async def connect(identity: str) -> Bus:
         return await asyncio.wait_for(Bus.connect(nats_with_auth.url, name=identity, deadline=20,
                                                   **creds.bus_options(identity)), 30)
@@ -58,14 +58,19 @@ async def test_the_builder_writes_images_and_the_rollout_and_trainer_read_them(n
     builder = await connect("builder")
     try:
         ref = await ImageStore(builder).put(PNG)
-        for identity in ("rollout", "trainer"):
-            bus = await connect(identity)
-            try:
-                assert await asyncio.wait_for(ImageStore(bus).get(ref), 30) == PNG, identity
-                # a reader cannot write: the server refuses the publish, so the put never completes
-                with pytest.raises(Exception):  # noqa: B017,PT011 - a timeout or a permissions error, by version
-                    await asyncio.wait_for(ImageStore(bus).put(b"not from the dataset"), 8)
-            finally:
-                await bus.close()
+        rollout = await connect("rollout")  # reads work's images, writes an agent session's at its export
+        try:
+            assert await asyncio.wait_for(ImageStore(rollout).get(ref), 30) == PNG
+            agents = await asyncio.wait_for(ImageStore(rollout).put(b"an agent's picture"), 30)
+        finally:
+            await rollout.close()
+        trainer = await connect("trainer")
+        try:
+            assert await asyncio.wait_for(ImageStore(trainer).get(agents), 30) == b"an agent's picture"
+            # the trainer cannot write: the server refuses the publish, so the put never completes
+            with pytest.raises(Exception):  # noqa: B017,PT011 - a timeout or a permissions error, by version
+                await asyncio.wait_for(ImageStore(trainer).put(b"not from the dataset"), 8)
+        finally:
+            await trainer.close()
     finally:
         await builder.close()

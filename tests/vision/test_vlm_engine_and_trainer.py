@@ -7,13 +7,10 @@ images disagree are refused naming the field; gradients reach the vision tower."
 from __future__ import annotations
 
 import asyncio
-import io
 
 import pytest
 import torch
-from PIL import Image
 
-from services.builder.datasets import shapes
 from services.common.contracts import data_pb2
 from services.common.hf_models import Pixels, image_embeds, load_lm
 from services.common.images import ref_of
@@ -21,38 +18,10 @@ from services.rollout.engines.sequence import Images, Sampling
 from services.rollout.engines.torch_engine import EngineConfig
 from services.trainer.batching import pack
 from services.trainer.forward import frozen_logp, policy_logp
-from services.trainer.models.tiny_vlm import TinyVLMConfig, build_vlm_tokenizer
 from services.trainer.packing import PackingConfig, packed_forwards
+from tests.vision.vlm import images_of, prompt_ids
 
 DEADLINE = 300.0
-
-
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory) -> str:
-    torch.manual_seed(0)
-    config = TinyVLMConfig()
-    tokenizer = build_vlm_tokenizer()
-    out = tmp_path_factory.mktemp("tiny-vlm")
-    config.build(tokenizer).save_pretrained(out)
-    config.processor(tokenizer).save_pretrained(out)
-    return str(out)
-
-
-@pytest.fixture(scope="module")
-def pictures() -> list[bytes]:
-    return [t.images[0] for t in shapes.generate_split("train", 3, seed=0)]
-
-
-def prompt_ids(vlm_dir: str, blob: bytes) -> list[int]:
-    from transformers import AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(vlm_dir)
-    image = Image.open(io.BytesIO(blob)).convert("RGB")
-    return list(processor(text=[f"<image>{shapes.QUESTION}"], images=[image], add_special_tokens=False)["input_ids"][0])
-
-
-def images_of(vlm_dir: str, blobs: list[bytes]) -> Images:
-    return Images(key=tuple(ref_of(b).sha256 for b in blobs), pixel_values=Pixels(vlm_dir)(blobs))
 
 
 def generate(engine, requests: list[tuple[list[int], Images | None]], n: int, new: int = 6) -> list:

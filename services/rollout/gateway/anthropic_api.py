@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 from services.rollout.gateway import fields as f
 from services.rollout.gateway.errors import bad_request, unsupported
+from services.rollout.gateway.images import IMAGE_MARK, check_text, from_base64_source
 from services.rollout.gateway.messages import GenRequest, Message, Tool, ToolCall, ToolChoice
 from services.rollout.gateway.runs import Completion, Run
 from services.rollout.gateway.toolcalls import TextEvent, ToolCallEvent
@@ -62,36 +63,40 @@ def _message(m, path: str) -> list[Message]:
         raise bad_request(f"{path}.role", f"expected 'user' or 'assistant', got {role!r}")
     content = f.req(m, "content", path)
     if isinstance(content, str):
-        return [Message(role=role, content=content)]
+        return [Message(role=role, content=check_text(content, f"{path}.content"))]
     if not isinstance(content, list):
         raise bad_request(f"{path}.content", "expected a string or an array of content blocks")
     out: list[Message] = []
     text: list[str] = []
+    images: list[bytes] = []
     calls: list[ToolCall] = []
     for j, block in enumerate(content):
         where = f"{path}.content[{j}]"
         block = f.obj(block, where)
         kind = block.get("type")
         if kind == "text":
-            text.append(f.string(block, "text", where))
+            text.append(check_text(f.string(block, "text", where), f"{where}.text"))
+        elif kind == "image" and role == "user":
+            images.append(from_base64_source(block.get("source"), f"{where}.source"))
+            text.append(IMAGE_MARK)
         elif kind == "tool_use" and role == "assistant":
             args = block.get("input", {})
             calls.append(ToolCall(id=f.string(block, "id", where), name=f.string(block, "name", where),
                                   arguments=json.dumps(f.obj(args, f"{where}.input"))))
         elif kind == "tool_result" and role == "user":
             if text:
-                out.append(Message(role="user", content="".join(text)))
-                text = []
+                out.append(Message(role="user", content="".join(text), images=tuple(images)))
+                text, images = [], []
             out.append(Message(role="tool", content=_result_text(block.get("content"), f"{where}.content"),
                                tool_call_id=f.string(block, "tool_use_id", where)))
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             continue  # earlier reasoning is not part of the rendered history
         else:
-            raise unsupported(f"{where}.type", f"content block {kind!r} is not supported here (the policy is text-only)")
+            raise unsupported(f"{where}.type", f"content block {kind!r} is not supported here")
     if role == "assistant":
         out.append(Message(role="assistant", content="".join(text), tool_calls=tuple(calls)))
     elif text or not out:
-        out.append(Message(role="user", content="".join(text)))
+        out.append(Message(role="user", content="".join(text), images=tuple(images)))
     return out
 
 

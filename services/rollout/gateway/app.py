@@ -21,21 +21,23 @@ from services.rollout.gateway.config import GatewayConfig, ensure_admin_key
 from services.rollout.gateway.core import Gateway
 from services.rollout.gateway.errors import ApiError
 from services.rollout.gateway.http import error_response
+from services.rollout.gateway.images import Vision
 from services.rollout.gateway.routes_model import add_model_routes
 from services.rollout.gateway.routes_rl import add_rl_routes
 
 
 def create_app(config: GatewayConfig, engine: Any, tokenizer: Any,
                publish: Callable[[data_pb2.Trajectory], Awaitable[None]], budget: GroupBudget | None = None, *,
-               run_dir: str | os.PathLike | None = None, reward: Any = None) -> Starlette:
+               run_dir: str | os.PathLike | None = None, reward: Any = None, vision: Vision | None = None) -> Starlette:
     """The gateway's app. Without a configured admin key, the key comes from (or is generated into, 0600) the key
     file under `run_dir` (see config.py); its path is logged once, the key never. `reward`: the reward service's
-    client (`services.reward.client.RewardClient`) for /rl/run_code and graded sessions; None: neither."""
+    client (`services.reward.client.RewardClient`) for /rl/run_code and graded sessions; None: neither. `vision`: a
+    vision-language policy's image handling (gateway/images.py); None: messages with images are refused."""
     key_file = ensure_admin_key(config, run_dir)
     if key_file is not None:
         get_logger().info("gateway_admin_key", admin_key_file=str(key_file),
                           hint="send it as 'Authorization: Bearer <the file's content>' to /rl/start_session")
-    gateway = Gateway(config, engine, tokenizer, publish, budget, reward)
+    gateway = Gateway(config, engine, tokenizer, publish, budget, reward, vision)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -77,14 +77,15 @@ class EngineBackend:
                                         "x-meshrl-paused": "1" if paused else "0"})
             await asyncio.sleep(self.poll_s)
 
-    def submit(self, prompt_ids: list[int], sampling: Sampling, n: int) -> list[Sampled]:
+    def submit(self, prompt_ids: list[int], sampling: Sampling, n: int, images: Any = None) -> list[Sampled]:
         loop = asyncio.get_running_loop()
         out = []
+        extra = {"images": images} if images is not None else {}  # only a vision-language engine takes images
         for _ in range(n):
             fut = loop.create_future()
             if hasattr(self.engine, "submit"):
                 seq = self.engine.submit(prompt_ids, sampling, lambda s, f=fut: loop.call_soon_threadsafe(_resolve, f, s),
-                                         priority=True)  # an agent waits on it: ahead of queued rollout work
+                                         priority=True, **extra)  # an agent waits on it: ahead of queued rollout work
                 abort = getattr(self.engine, "abort", None)
                 out.append(Sampled(fut, seq, functools.partial(abort, seq) if abort else None))
             else:  # an engine with only `generate`: no snapshots, the text arrives when the sequence is done

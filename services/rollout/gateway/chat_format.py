@@ -12,6 +12,7 @@ from typing import Any
 
 from services.common.errors import FieldError
 from services.rollout.gateway.errors import bad_request
+from services.rollout.gateway.images import IMAGE_MARK, Vision, expand
 from services.rollout.gateway.messages import Message, Tool
 from services.rollout.gateway.toolcalls import CLOSE, OPEN
 
@@ -40,6 +41,7 @@ class ChatFormat:
                 stops.add(vocab[name])
         self.stop_token_ids = frozenset(stops)
         self._backend = None
+        self.vision: Vision | None = None  # set for a vision-language policy (gateway/images.py)
         self.end_marker, self.end_marker_ids = self._probe_end_marker()
         self._backend = _direct_backend(tokenizer, self._probe_texts())
 
@@ -52,14 +54,17 @@ class ChatFormat:
                                                       add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
         except Exception as exc:  # jinja raises what the template author chose (TemplateError, TypeError, ...)
             raise bad_request("messages", f"the model's chat template rejected the conversation: {exc}") from exc
-        return text if isinstance(text, str) else str(text)
+        text = text if isinstance(text, str) else str(text)
+        return text.replace(IMAGE_MARK, self.vision.token_text) if self.vision is not None else text
 
     def encode(self, text: str) -> list[int]:
         if not text:
             return []
         if self._backend is not None:
-            return self._backend.encode(text, add_special_tokens=False).ids
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+            ids = self._backend.encode(text, add_special_tokens=False).ids
+        else:
+            ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        return ids if self.vision is None else expand(ids, self.vision.token_id, self.vision.per_image)
 
     def decode(self, ids: list[int]) -> str:
         if self._backend is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import hmac
 import time
 import uuid
@@ -12,14 +13,15 @@ from services.common.contracts import data_pb2
 from services.common.errors import FieldError, field_error
 from services.common.ids import now
 from services.common.logging import get_logger
-from services.rollout.engines.sequence import Sampling
+from services.rollout.engines.sequence import Images, Sampling
 from services.rollout.gateway import metrics
 from services.rollout.gateway.backend import EngineBackend, Sampled
 from services.rollout.gateway.budget import GroupBudget
 from services.rollout.gateway.chat_format import ChatFormat
 from services.rollout.gateway.config import GatewayConfig
 from services.rollout.gateway.dedupe import IdempotencyCache, ReplayCache
-from services.rollout.gateway.errors import ApiError, bad_request
+from services.rollout.gateway.errors import ApiError, bad_request, unsupported
+from services.rollout.gateway.images import Vision
 from services.rollout.gateway.messages import GenRequest
 from services.rollout.gateway.offload import Offload
 from services.rollout.gateway.outbox import Outbox, Publish
@@ -46,11 +48,12 @@ class ReplayKey:
 
 class Gateway:
     def __init__(self, config: GatewayConfig, engine: Any, tokenizer: Any, publish: Publish,
-                 budget: GroupBudget | None = None, reward: Any = None) -> None:
+                 budget: GroupBudget | None = None, reward: Any = None, vision: Vision | None = None) -> None:
         self.config = config
         self.reward = reward       # the reward service's client (run_code, graded sessions' verifiers), or None
         self.code_runs = 0
         self.fmt = ChatFormat(tokenizer, config.extra_stop_tokens)
+        self.fmt.vision = self.vision = vision  # a vision-language policy: messages may hold images
         self.budget = budget if budget is not None else GroupBudget()
         metrics.CAPACITY.set_function(lambda b=self.budget: _gauge(b.capacity()))
         self.backend = EngineBackend(engine, budget=self.budget, max_wait_s=config.max_wait_s,
@@ -130,7 +133,7 @@ class Gateway:
             await self._admit(session)
             prompt = await self.offload.run(req.body_bytes, lambda: self._prompt(req, session))
             sampling = self._sampling(req, len(prompt.ids))
-            self._check_engine(prompt.ids, sampling, req.n)
+            self._check_engine(prompt.ids, sampling, req.n, prompt.engine_images)
             return self._launch(req, session, prompt, sampling, replay, token)
         except BaseException as exc:
             self._done(session, replay, token)
@@ -159,7 +162,7 @@ class Gateway:
 
         def submit() -> list[Sampled]:
             try:
-                return self.backend.submit(prompt.ids, sampling, req.n)
+                return self.backend.submit(prompt.ids, sampling, req.n, prompt.engine_images)
             except RuntimeError as exc:
                 raise ApiError(503, f"the engine is not accepting work: {exc}") from exc
 
@@ -180,13 +183,13 @@ class Gateway:
                        poll_s=self.config.stream_interval_s, timeout_s=self.config.request_timeout_s,
                        finalize=finalize, on_exit=lambda: self._done(session, replay, token))
 
-    def _check_engine(self, ids: list[int], sampling: Sampling, n: int) -> None:
+    def _check_engine(self, ids: list[int], sampling: Sampling, n: int, images: Images | None = None) -> None:
         """What the engine would refuse, refused here as a 400 before anything is submitted."""
         check = getattr(self.backend.engine, "check", None)
         if check is None:
             return
         try:
-            check(ids, sampling, n)
+            check(ids, sampling, n, *([images] if images is not None else []))
         except ValueError as exc:
             found = field_error(exc) or FieldError("prompt", str(exc))
             field = {"prompt_ids": "prompt", "max_new_tokens": "max_tokens"}.get(found.field, found.field)
@@ -219,6 +222,15 @@ class Gateway:
             field = {"responses": "input"}.get(req.api, "messages")
         if len(prompt.ids) >= self.max_context:
             raise bad_request(field, f"the prompt is {len(prompt.ids)} tokens; the model's context holds {self.max_context}")
+        if prompt.images:
+            if self.vision is None:
+                raise unsupported(field, "holds images, and the policy is text-only (a vision-language model takes them)")
+            try:
+                pixels = self.vision.pixels(list(prompt.images))
+            except ValueError as exc:
+                raise bad_request(field, str(exc)) from exc
+            prompt.engine_images = Images(key=tuple(hashlib.sha256(b).hexdigest() for b in prompt.images),
+                                          pixel_values=pixels)
         return prompt
 
     def _sampling(self, req: GenRequest, prompt_len: int) -> Sampling:
@@ -246,7 +258,7 @@ class Gateway:
                 api=req.api, parent_id=prompt.parent.id if prompt.parent else None, prompt_ids=list(prompt.ids),
                 output_ids=choice.output_ids, logprobs=choice.logprobs, versions=choice.versions,
                 finish_reason=choice.finish_reason, ended_on_stop_token=choice.ended_on_stop_token,
-                render_text=prompt.render_text, output_text=choice.content if not chat else "",
+                render_text=prompt.render_text, output_text=choice.content if not chat else "", images=prompt.images,
                 messages=tuple(req.messages) if chat else None, response=response,
                 transcript_key=transcript_key(tuple(req.messages), response, req.tools) if chat else None,
                 sampling={"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,

@@ -20,6 +20,7 @@ import msgpack
 from services.common.contracts import data_pb2
 from services.common.errors import FieldError
 from services.common.ids import now
+from services.common.images import ref_of
 from services.common.sampling import path_sampling
 from services.rollout.gateway.session import Interaction, Session, discounted_returns
 
@@ -115,7 +116,8 @@ def _trajectory(session: Session, traj_id: str, path: list[Interaction], prompt_
         scored_at=now() if graded is None else 0.0,
         source="gateway", metadata=msgpack.packb(meta, use_bin_type=True), split="train",
         verifier="agent" if graded is None else graded.verifier, grading=graded,
-        sampling=path_sampling([i.sampling for i in path]))
+        sampling=path_sampling([i.sampling for i in path]),
+        images=[ref_of(b) for b in path[-1].images])  # the last turn's prompt holds every earlier turn's images
 
 
 def _finish(reason: str) -> str:

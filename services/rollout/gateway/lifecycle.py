@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import time
 
 from services.common.bus import PayloadTooLarge
@@ -98,6 +99,22 @@ async def _exported(gw: Gateway, session: Session, reason: str, force: bool) -> 
         raise
 
 
+async def _store_images(gw: Gateway, session: Session) -> None:
+    """The session's images in the object store before the trajectories naming them are published (a failure
+    leaves the session as it was: the agent may end it again)."""
+    blobs = {hashlib.sha256(b).hexdigest(): b for i in session.interactions for b in i.images}
+    if not blobs:
+        return
+    if gw.vision is None or gw.vision.store is None:
+        raise ApiError(503, "this gateway has no image store: sessions with images cannot be exported")
+    try:
+        for blob in blobs.values():
+            await gw.vision.store.put(blob)
+    except Exception as exc:  # noqa: BLE001 - the bus's errors, whatever their type: the export is retried
+        raise ApiError(503, f"storing the session's images failed ({exc}); end the session again",
+                       headers={"retry-after": "5"}) from exc
+
+
 async def _export(gw: Gateway, session: Session, reason: str, force: bool) -> None:
     await _drain(gw, session)
     defaulted = bool(session.interactions) and all(i.reward is None for i in session.interactions)
@@ -121,6 +138,7 @@ async def _export(gw: Gateway, session: Session, reason: str, force: bool) -> No
         raise refusal
     # the session ends once the bus has them all: until then it is ending (no more calls), and still holds its key,
     # its tokens and its budget slot, so a failed export is never reported as done
+    await _store_images(gw, session)
     session.exports = gw.enqueue(trajectories)
     session.confirmed = asyncio.ensure_future(_settle(gw, session, trajectories))
     get_logger().info("gateway_session_exported", session_id=session.id, reason=reason,

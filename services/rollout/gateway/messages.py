@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from typing import Any, Literal
 
@@ -30,11 +31,16 @@ class Message:
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
     name: str | None = None
+    # a user's images, in order, each standing at an IMAGE_MARK in `content` (gateway/images.py)
+    images: tuple[bytes, ...] = dataclasses.field(default=(), repr=False)
 
     def key(self) -> tuple:
-        """What identifies a message when an agent sends its history back: ids and whitespace at the ends don't count."""
+        """What identifies a message when an agent sends its history back: ids and whitespace at the ends don't count;
+        the images do (the same words about another picture are another message)."""
         calls = tuple((c.name, _canonical_json(c.arguments)) for c in self.tool_calls)
-        return (self.role, self.content.strip(), calls)
+        if not self.images:
+            return (self.role, self.content.strip(), calls)
+        return (self.role, self.content.strip(), calls, tuple(hashlib.sha256(b).hexdigest() for b in self.images))
 
 
 @dataclasses.dataclass(frozen=True)

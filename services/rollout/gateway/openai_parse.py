@@ -8,6 +8,7 @@ from collections.abc import Collection
 from services.rollout.gateway import fields as f
 from services.rollout.gateway.config import TEMPLATE_KWARGS
 from services.rollout.gateway.errors import bad_request, unsupported
+from services.rollout.gateway.images import IMAGE_MARK, check_text, from_data_url
 from services.rollout.gateway.messages import GenRequest, Message, Tool, ToolCall, ToolChoice
 
 _COMMON_IGNORED = frozenset({"user", "metadata", "store", "service_tier", "seed", "prompt_cache_key",
@@ -112,35 +113,42 @@ def parse_message(m, path: str) -> Message:
     role = {"developer": "system"}.get(role, role)
     if role not in ("system", "user", "assistant", "tool"):
         raise bad_request(f"{path}.role", f"expected one of system, developer, user, assistant, tool; got {role!r}")
-    content = _content(m.get("content"), f"{path}.content", required=role != "assistant")
+    content, images = _content(m.get("content"), f"{path}.content", required=role != "assistant", images=role == "user")
     calls: tuple[ToolCall, ...] = ()
     if role == "assistant" and m.get("tool_calls"):
         calls = tuple(_tool_call(c, f"{path}.tool_calls[{j}]") for j, c in enumerate(f.array(m, "tool_calls", path)))
     tool_call_id = f.string(m, "tool_call_id", path, default=None) if role == "tool" else None
     return Message(role=role, content=content, tool_calls=calls, tool_call_id=tool_call_id,
-                   name=f.string(m, "name", path, default=None))
+                   name=f.string(m, "name", path, default=None), images=images)
 
 
-def _content(value, path: str, *, required: bool) -> str:
+def _content(value, path: str, *, required: bool, images: bool) -> tuple[str, tuple[bytes, ...]]:
+    """The text, with IMAGE_MARK where each image part stood, and the images' bytes (`images`: the role may send
+    images: a user's message)."""
     if value is None:
         if required:
             raise bad_request(path, "field required")
-        return ""
+        return "", ()
     if isinstance(value, str):
-        return value
+        return check_text(value, path), ()
     if not isinstance(value, list):
         raise bad_request(path, "expected a string or an array of content parts")
-    parts = []
+    parts, blobs = [], []
     for j, part in enumerate(value):
         part = f.obj(part, f"{path}[{j}]")
         kind = part.get("type")
         if kind in ("text", "input_text", "output_text"):
-            parts.append(f.string(part, "text", f"{path}[{j}]"))
+            parts.append(check_text(f.string(part, "text", f"{path}[{j}]"), f"{path}[{j}].text"))
         elif kind == "refusal":
             parts.append(f.string(part, "refusal", f"{path}[{j}]"))
+        elif kind == "image_url" and images:
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            blobs.append(from_data_url(url, f"{path}[{j}].image_url.url"))
+            parts.append(IMAGE_MARK)
         else:
-            raise unsupported(f"{path}[{j}].type", f"content type {kind!r} is not supported (the policy is text-only)")
-    return "".join(parts)
+            raise unsupported(f"{path}[{j}].type", f"content type {kind!r} is not supported here")
+    return "".join(parts), tuple(blobs)
 
 
 def _tool_call(c, path: str) -> ToolCall:

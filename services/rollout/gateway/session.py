@@ -55,6 +55,7 @@ class Interaction:
     finished_at: float = dataclasses.field(default_factory=now)
     reward: float | None = None
     sampling: dict = dataclasses.field(default_factory=dict)
+    images: tuple[bytes, ...] = dataclasses.field(default=(), repr=False)  # the prompt's, in placeholder order
 
     @property
     def context(self) -> list[int]:

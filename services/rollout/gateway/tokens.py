@@ -9,6 +9,7 @@ re-tokenised, so the ids the policy sampled are the ids it is trained on.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from services.rollout.gateway.chat_format import ChatFormat
 from services.rollout.gateway.messages import Message, Tool
@@ -22,6 +23,8 @@ class Prompt:
     parent: Interaction | None = None
     reused: int = 0                   # leading ids taken verbatim from the parent's context
     forced_text: str = ""
+    images: tuple[bytes, ...] = ()    # the conversation's images, in the order of their placeholders
+    engine_images: Any = None         # ... as the engine takes them (digests and pixels)
 
 
 def chat_prompt(fmt: ChatFormat, messages: list[Message], tools: list[Tool], session: Session | None,
@@ -33,7 +36,7 @@ def chat_prompt(fmt: ChatFormat, messages: list[Message], tools: list[Tool], ses
         parent, ids = None, fmt.encode(text)
     reused = len(parent.context) if parent else 0
     return Prompt(ids=ids + fmt.encode(forced_text), render_text=text, parent=parent, reused=reused,
-                  forced_text=forced_text)
+                  forced_text=forced_text, images=tuple(b for m in messages for b in m.images))
 
 
 def _extend(fmt: ChatFormat, parent: Interaction, text: str) -> list[int] | None:

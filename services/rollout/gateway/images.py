@@ -1,0 +1,91 @@
+"""Images in agents' messages (OpenAI ``image_url`` parts with data URLs, Anthropic base64 ``image`` blocks) for a
+vision-language policy.
+
+Parsing keeps each image's bytes on its message and puts ``IMAGE_MARK`` (a private-use character that text parts may
+not contain) where it stood in the content. Rendering turns the mark into the model's image token; encoding repeats
+that token once per vision patch, as the model's processor does (``image_seq_length`` placeholders per image: the
+LLaVA family); the engine replaces the placeholders by the images' features. The gateway fetches nothing: an
+``http(s)`` image URL is refused, naming the field.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import re
+from collections.abc import Callable
+from typing import Any
+
+from services.common.images import MAX_IMAGE_BYTES
+from services.rollout.gateway.errors import bad_request, unsupported
+
+IMAGE_MARK = "\ue000"
+MEDIA_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
+_DATA_URL = re.compile(r"data:(?P<type>[\w/+.-]+)?(?P<params>(;[\w-]+=[^;,]*)*)(?P<b64>;base64)?,(?P<data>.*)", re.DOTALL)
+
+
+def check_text(text: str, path: str) -> str:
+    if IMAGE_MARK in text:
+        raise bad_request(path, "holds U+E000, which this gateway reserves for image positions")
+    return text
+
+
+def from_data_url(url: str, path: str) -> bytes:
+    """An OpenAI ``image_url.url``: a base64 data URL of an image."""
+    if not isinstance(url, str):
+        raise bad_request(path, "expected a string URL")
+    if url.startswith(("http://", "https://")):
+        raise unsupported(path, "the gateway fetches nothing: send the image inline as a data:image/...;base64 URL")
+    found = _DATA_URL.fullmatch(url)
+    if found is None or not found["b64"]:
+        raise bad_request(path, "expected a data:image/<type>;base64,<data> URL")
+    return _decode(found["data"], found["type"] or "", path)
+
+
+def from_base64_source(source: dict, path: str) -> bytes:
+    """An Anthropic image block's ``source`` ({type: base64, media_type, data})."""
+    if not isinstance(source, dict):
+        raise bad_request(path, "expected an object")
+    if source.get("type") != "base64":
+        raise unsupported(f"{path}.type", "only base64 image sources are supported (the gateway fetches nothing)")
+    data = source.get("data")
+    if not isinstance(data, str):
+        raise bad_request(f"{path}.data", "expected a base64 string")
+    return _decode(data, source.get("media_type") or "", f"{path}.data")
+
+
+def _decode(data: str, media_type: str, path: str) -> bytes:
+    if media_type not in MEDIA_TYPES:
+        raise unsupported(path, f"media type {media_type or '(none)'!r} is not supported (one of {', '.join(MEDIA_TYPES)})")
+    if len(data) > 4 * MAX_IMAGE_BYTES // 3 + 4:
+        raise bad_request(path, f"the image is larger than {MAX_IMAGE_BYTES} bytes")
+    try:
+        blob = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise bad_request(path, f"not valid base64 ({exc})") from exc
+    if not blob:
+        raise bad_request(path, "the image is empty")
+    return blob
+
+
+def expand(ids: list[int], token: int, per_image: int) -> list[int]:
+    """Each image token as ``per_image`` placeholders."""
+    if token not in ids:
+        return ids
+    out: list[int] = []
+    for t in ids:
+        out.extend([t] * per_image if t == token else (t,))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Vision:
+    """What the gateway needs of a vision-language policy: its image token (text and id), the placeholders per image,
+    encoded images -> pixels (the model's image processor), and where exported images are stored (None: nowhere, a
+    gateway without a bus)."""
+    token_text: str
+    token_id: int
+    per_image: int
+    pixels: Callable[[list[bytes]], Any]
+    store: Any = None

@@ -64,6 +64,9 @@ class DatasetConfig:
     answer_field: str = "answer"
     verifier_field: str = "verifier"
     metadata_field: str = "metadata"
+    # a row's images for a vision-language model, in the order of the prompt's image placeholders: paths (relative
+    # to the file's directory), data:image/...;base64 URLs, or bytes
+    images_field: str = "images"
     verifier: str = ""            # default: reasoning_gym:<family> for reasoning_gym, else math
     verifier_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     shaping: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # e.g. [{name: format, weight: 0.1}]
@@ -203,13 +206,15 @@ class DatasetConfig:
 
     def _read_files(self, kind: str) -> Dataset:
         fields = {"prompt": self.prompt_field, "messages": self.messages_field, "answer": self.answer_field,
-                  "verifier": self.verifier_field, "metadata": self.metadata_field}
+                  "verifier": self.verifier_field, "metadata": self.metadata_field, "images": self.images_field}
         grading = self.grading()
 
         def read(path: str, split: str, prefix: str, pairs: bool = False) -> list[Task]:
             source = self.source or files.infer_source(path)
             names = {**fields, "chosen": self.chosen_field, "rejected": self.rejected_field} if pairs else fields
-            return to_tasks(files.read_rows(source, path, split=split), prefix=prefix, fields=names, grading=grading)
+            rows = files.with_images(files.read_rows(source, path, split=split), self.images_field,
+                                     pathlib.Path(path).parent if source != "disk" else pathlib.Path(path))
+            return to_tasks(rows, prefix=prefix, fields=names, grading=grading)
 
         stem = pathlib.Path(self.train).stem
         train = read(self.train, self.train_split, f"train/{stem}", pairs=self.preference)

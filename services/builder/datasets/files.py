@@ -7,6 +7,8 @@ Parquet through pyarrow and saved directories through ``datasets`` (both importe
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import pathlib
 from collections.abc import Iterator
@@ -85,3 +87,43 @@ def disk_splits(path: str) -> list[str]:
     """The split names of a saved ``DatasetDict`` (empty for a single saved ``Dataset``)."""
     index = pathlib.Path(path) / "dataset_dict.json"
     return list(json.loads(index.read_text()).get("splits", [])) if index.is_file() else []
+
+
+def with_images(rows: Iterator[tuple[str, Any]], field: str, base_dir: pathlib.Path) -> Iterator[tuple[str, Any]]:
+    """The rows with their ``field`` (a list of images) read into bytes. An image is a path (relative to the
+    dataset file's directory), a ``data:image/...;base64,`` URL, raw bytes (a Parquet binary column) or a
+    ``{"bytes": ..., "path": ...}`` mapping (the ``datasets`` Image feature)."""
+    for where, row in rows:
+        if isinstance(row, dict) and row.get(field) is not None:
+            value = row[field]
+            if not isinstance(value, list):
+                raise FieldError(where, f"field {field!r} must be a list of images (paths, data URLs or bytes)")
+            row = {**row, field: tuple(_image(item, base_dir, f"{where}: field {field}[{i}]")
+                                       for i, item in enumerate(value))}
+        yield where, row
+
+
+def _image(item: Any, base_dir: pathlib.Path, where: str) -> bytes:
+    if isinstance(item, dict):
+        item = item.get("bytes") or item.get("path")
+    if isinstance(item, bytes | bytearray):
+        data = bytes(item)
+    elif isinstance(item, str) and item.startswith("data:"):
+        head, sep, payload = item.partition(",")
+        if not sep or not head.endswith(";base64"):
+            raise ValueError(f"{where}: a data URL must be data:image/<type>;base64,<data>")
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise ValueError(f"{where}: not valid base64 ({exc})") from exc
+    elif isinstance(item, str) and item:
+        path = pathlib.Path(item) if pathlib.Path(item).is_absolute() else base_dir / item
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise ValueError(f"{where}: cannot read {path} ({exc.strerror})") from exc
+    else:
+        raise ValueError(f"{where}: expected a path, a data URL or bytes, got {type(item).__name__}")
+    if not data:
+        raise ValueError(f"{where}: the image is empty")
+    return data

@@ -87,9 +87,12 @@ def to_task(row: Any, *, where: str, task_id: str, fields: Mapping[str, str], gr
             raise FieldError(where, f"fields {fields['chosen']!r} and {fields['rejected']!r} are the same reply")
     answer = row.get(fields["answer"])
     answer = "" if pair and answer is None else _answer(answer, where, fields["answer"])
+    images = row.get(fields.get("images", ""), None) or ()  # read into bytes by files.with_images
+    if not isinstance(images, tuple) or not all(isinstance(b, bytes) for b in images):
+        raise FieldError(where, f"field {fields['images']!r} must be a list of images")
     return Task(task_id=task_id, prompt=prompt or "", answer=answer,
                 messages=None if messages is None else _messages(messages, where, fields["messages"]),
-                metadata=metadata, **pair)
+                metadata=metadata, images=images, **pair)
 
 
 def to_tasks(rows: Iterable[tuple[str, Any]], *, prefix: str, fields: Mapping[str, str],

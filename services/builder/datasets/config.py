@@ -64,9 +64,7 @@ class DatasetConfig:
     answer_field: str = "answer"
     verifier_field: str = "verifier"
     metadata_field: str = "metadata"
-    # a row's images for a vision-language model, in the order of the prompt's image placeholders: paths (relative
-    # to the file's directory), data:image/...;base64 URLs, or bytes
-    images_field: str = "images"
+    images_field: str = "images"  # a row's images (paths relative to the file, data:image/...;base64 URLs, bytes)
     verifier: str = ""            # default: reasoning_gym:<family> for reasoning_gym, else math
     verifier_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     shaping: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # e.g. [{name: format, weight: 0.1}]

@@ -57,6 +57,7 @@ class FrozenModels:
         self._procs: dict[str, subprocess.Popen] = {}
 
     def start(self, timeout: float) -> None:
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         for name, m in self.models.items():
             with open(self.run_dir / "logs" / f"frozen-{name}.log", "ab") as log:
                 self._procs[name] = popen(
@@ -86,13 +87,26 @@ class FrozenModels:
                 time.sleep(0.2)
         raise TimeoutError(f"frozen model {name!r} did not answer {url} in time (startup_timeout_seconds)")
 
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.ports[name]}/v1"
+
+    def key_file(self, name: str) -> pathlib.Path:
+        return self.key_dir(name) / ADMIN_KEY_FILE
+
     def env(self) -> dict[str, str]:
         out = {}
         for name in self.models:
             prefix = f"MESHRL_FROZEN_{name.upper()}"
-            out[f"{prefix}_URL"] = f"http://127.0.0.1:{self.ports[name]}/v1"
-            out[f"{prefix}_KEY_FILE"] = str(self.key_dir(name) / ADMIN_KEY_FILE)
+            out[f"{prefix}_URL"] = self.url(name)
+            out[f"{prefix}_KEY_FILE"] = str(self.key_file(name))
         return out
+
+    def serve_reference(self, trainer: dict) -> None:
+        """The trainer's `reference.served` (one of these models, e.g. a distillation teacher) as its url and key."""
+        reference = trainer.get("reference")
+        if isinstance(reference, dict) and reference.get("served"):
+            name = reference["served"]
+            reference.update(url=self.url(name), key_file=str(self.key_file(name)))
 
     def stop(self, timeout: float = 10.0) -> dict[str, int | None]:
         terminate_all(list(self._procs.values()), timeout)

@@ -113,6 +113,11 @@ class RunConfig:
             check_names(self.frozen_models)
             for name, spec in self.frozen_models.items():
                 build_config(FrozenModel, spec, f"frozen_models.{name}")
+        reference = self.services.trainer.get("reference") if isinstance(self.services.trainer, dict) else None
+        served = reference.get("served") if isinstance(reference, dict) else None
+        if served and served not in self.frozen_models:
+            raise FieldError("services.trainer.reference.served", f"{served!r} is not one of the run's frozen_models "
+                             f"({', '.join(self.frozen_models) or 'none'})")
         if self.timeout_seconds <= 0 or self.startup_timeout_seconds <= 0:
             raise ValueError("timeout_seconds / startup_timeout_seconds: must be > 0")
         if self.dataset is not None:

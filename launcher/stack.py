@@ -487,24 +487,25 @@ def run(config: str, *, name: str, seed: int = 0, algo: str = "", ports: dict[st
 
         shutil.rmtree(run_dir)
     stack = Stack(run_dir, ports or random_ports(), nats_mode=nats_mode)
+    frozen = FrozenModels(*frozen_models(run_config, seed), run_dir) if run_config.frozen_models else None
+    if frozen is not None:
+        frozen.serve_reference(run_config.services.trainer)
     plan = stack.derive(run_config, seed=seed, model_path=model_path, algo=algo)
     print(plan.describe(), file=sys.stderr, flush=True)
     events = EventLog(run_dir / "metrics.jsonl")
     started = time.time()
     summary: dict = {"completed": False}
     agents: AgentDriver | None = None
-    frozen: FrozenModels | None = None
     SHUTDOWN.results = str(run_dir)
     try:
+        if frozen is not None:  # first: a served teacher answers the trainer from its start
+            frozen.start(run_config.startup_timeout_seconds)
         stack.start(plan.files())
         if on_started is not None:
             on_started(stack)
         stack.wait_healthy(run_config.startup_timeout_seconds)  # a real model loads slowly
         if on_healthy is not None:
             on_healthy(stack, events)
-        if run_config.frozen_models:
-            frozen = FrozenModels(*frozen_models(run_config, seed), run_dir)
-            frozen.start(run_config.startup_timeout_seconds)
         if run_config.agents:
             agents = AgentDriver(run_config.agents, run_config.agent_args, log_path=run_dir / "logs" / "agents.log",
                                  gateway_url=f"http://127.0.0.1:{stack.ports['gateway']}",

@@ -37,3 +37,11 @@ def nats_with_auth(creds, tmp_path):
 def tiny_qwen3():
     """artifacts/models/tiny-qwen3-seed0, as `make run` uses it (built once, ~20 s, when missing)."""
     return ensure_model("tiny-qwen3", 0)
+
+
+@pytest.fixture(scope="session")
+def vlm_tokenizer():
+    """The tiny LLaVA's tokenizer: the tiny Qwen3's and one more special token (<image>)."""
+    from services.trainer.models.tiny_vlm import build_vlm_tokenizer
+
+    return build_vlm_tokenizer()

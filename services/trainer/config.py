@@ -126,9 +126,10 @@ class TrainerConfig(ServiceConfig):
             raise FieldError("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         check_device(self.device)
         algo = self.build_algorithm()  # an unknown preset or setting stops start-up here
-        if algo.config.distill_coef > 0 and not self.reference.model_path:
-            raise FieldError("reference.model_path", f"{self.algo!r} distils from a teacher: set its checkpoint here "
-                             "(the default, the policy's own start, teaches nothing)")
+        teacher = self.reference.model_path or self.reference.url or self.reference.served
+        if algo.config.distill_coef > 0 and not teacher:
+            raise FieldError("reference.model_path", f"{self.algo!r} distils from a teacher: set its checkpoint here, "
+                             "or serve it (reference.served; the default, the policy's own start, teaches nothing)")
         self.check_backend()
 
     def check_backend(self) -> None:

@@ -5,6 +5,7 @@ with its adapters switched off, so it costs no second copy of the weights."""
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 
 import torch
 
@@ -12,14 +13,33 @@ from services.common.errors import FieldError
 from services.trainer.batching import PackedBatch
 from services.trainer.forward import frozen_logp
 from services.trainer.lora import is_lora
+from services.trainer.served_reference import ServedReference
 
 
 @dataclasses.dataclass(kw_only=True)
 class ReferenceConfig:
     model_path: str = ""   # empty: the policy's initial checkpoint
     always: bool = False   # load one even when the algorithm needs none, to report the KL to it
+    # served elsewhere instead of loaded here: the name of one of the run's frozen_models (the launcher fills url
+    # and key_file), or url (an OpenAI-compatible base URL, with /v1) and key_file (its key) for another server
+    served: str = ""
+    url: str = ""
+    key_file: str = ""
+    timeout_s: float = 120.0
 
-    def build(self, policy: torch.nn.Module, default_path: str) -> Reference:
+    def __post_init__(self) -> None:
+        if (self.url or self.served) and self.model_path:
+            raise FieldError("reference.model_path", "set with url: the reference is either served or loaded here")
+        if self.timeout_s <= 0:
+            raise FieldError("reference.timeout_s", f"must be > 0, got {self.timeout_s}")
+
+    def build(self, policy: torch.nn.Module, default_path: str) -> Reference | ServedReference:
+        if self.served and not self.url:
+            raise FieldError("reference.url", f"unset for the served reference {self.served!r}: the launcher sets it "
+                             "from the run's frozen_models; outside the launcher set url and key_file")
+        if self.url:
+            key = pathlib.Path(self.key_file).read_text().strip() if self.key_file else ""
+            return ServedReference(self.url, key, timeout_s=self.timeout_s)
         if is_lora(policy) and not self.model_path:
             return Reference(policy, adapters_off=True)
         from services.common.hf_models import load_lm

@@ -34,6 +34,7 @@ from services.rollout.engines.scheduler import Step
 from services.rollout.engines.sequence import Sequence, Status
 
 SLACK = 64  # spare KV columns allocated beyond what a layer holds (and at least half its length)
+SCORE_TOKENS = 2048  # (padded) tokens per scoring forward: its logits are that many vocabulary-wide rows
 
 
 class SlackLayer(DynamicLayer):
@@ -175,6 +176,35 @@ class ModelRunner:
         )
         self._last = tokens
         return tokens.tolist(), logprobs.tolist()
+
+    @torch.inference_mode()
+    def score(self, contexts: list[list[int]], temperature: float) -> list[list[float]]:
+        """Each context's token log-probs under the model (token t given tokens < t, softmax(logits / temperature);
+        the first token has none): left-padded forwards of at most SCORE_TOKENS tokens, outside the generation's KV
+        cache (a long batch is not one vocabulary-wide tensor)."""
+        out: list[list[float]] = []
+        start = 0
+        while start < len(contexts):
+            width, end = len(contexts[start]), start + 1
+            while end < len(contexts) and max(width, len(contexts[end])) * (end + 1 - start) <= SCORE_TOKENS:
+                width, end = max(width, len(contexts[end])), end + 1
+            out += self._score(contexts[start:end], temperature)
+            start = end
+        return out
+
+    def _score(self, contexts: list[list[int]], temperature: float) -> list[list[float]]:
+        width = max(len(c) for c in contexts)
+        ids = torch.full((len(contexts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(contexts), width), dtype=torch.long)
+        for i, ctx in enumerate(contexts):
+            ids[i, width - len(ctx):] = torch.tensor(ctx)
+            mask[i, width - len(ctx):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+        logits = logits[:, :-1].float() / max(temperature, 1e-4)
+        taken = (logits.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)).cpu()
+        return [taken[i, width - len(ctx):].tolist() for i, ctx in enumerate(contexts)]
 
     def drop_cache(self) -> None:
         self._cache = None

@@ -20,9 +20,11 @@ report NOT_SERVING and answer 503 instead of "error" for every request forever.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,7 +36,7 @@ from services.common.errors import FieldError
 from services.common.hf_models import image_slots, load_lm
 from services.common.logging import get_logger
 from services.common.torch_threads import fix_torch_threads
-from services.rollout.engines.base import EngineStats, EngineUnhealthy, check_images, check_request
+from services.rollout.engines.base import EngineStats, EngineUnhealthy, check_images, check_request, check_token_ids
 from services.rollout.engines.lora_merge import AdapterConfig, AdapterMerge
 from services.rollout.engines.runner import ModelRunner
 from services.rollout.engines.scheduler import Scheduler, Step
@@ -110,6 +112,8 @@ class EmbeddedEngine:
         self._stopped = False
         self.failure: str | None = None  # set once the engine is unhealthy: the exception that every row hit
         self._failed_in_a_row = 0
+        self._jobs: collections.deque[tuple[Callable[[], Any], Callable[[Any, BaseException | None], None]]] = \
+            collections.deque()  # work for the model between two steps (scoring), run on the engine's thread
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     # lifecycle ---------------------------------------------------------------------------------------
@@ -205,6 +209,31 @@ class EmbeddedEngine:
             raise
         return seqs
 
+    async def score(self, contexts: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
+        """Each context's token log-probs under the loaded weights (a frozen teacher scoring a student's samples),
+        computed on the engine's thread between two generation steps, never while paused for a weight update."""
+        for i, ctx in enumerate(contexts):
+            if len(ctx) > self.max_context:
+                raise FieldError(f"prompt[{i}]", f"{len(ctx)} tokens, the engine holds at most {self.max_context}")
+            check_token_ids(ctx, self.vocab_size, f"prompt[{i}]")
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def deliver(result, error: BaseException | None) -> None:
+            if error is None:
+                loop.call_soon_threadsafe(_resolve, done, result)
+            else:
+                loop.call_soon_threadsafe(_fail, done, error)
+
+        with self._cv:
+            if self.failure is not None:
+                raise EngineUnhealthy(self.failure)
+            if self._stopped:
+                raise RuntimeError("engine stopped")
+            self._jobs.append((lambda: self.runner.score(contexts, temperature), deliver))
+            self._cv.notify_all()
+        return await done
+
     # interruption ---------------------------------------------------------------------------------------
     def pause(self, timeout: float = 60.0) -> None:
         """Blocks until the loop stands between two steps; pauses nest."""
@@ -242,16 +271,23 @@ class EmbeddedEngine:
             fix_torch_threads(self.torch_threads)
         while True:
             with self._cv:
-                while not self._stopped and (self._pause_requests or not self.scheduler.has_work()):
+                while not self._stopped and (self._pause_requests or not (self.scheduler.has_work() or self._jobs)):
                     self._paused = self._pause_requests > 0
                     self._cv.notify_all()
                     self._cv.wait(timeout=1.0)
                 self._paused = False
                 if self._stopped:
+                    for _, deliver in self._jobs:
+                        deliver(None, RuntimeError("engine stopped"))
                     return
-                started = time.perf_counter()
-                step = self.scheduler.schedule()
-                rows, version = step.rows, self.version
+                job = self._jobs.popleft() if self._jobs else None
+                if job is None:
+                    started = time.perf_counter()
+                    step = self.scheduler.schedule()
+                    rows, version = step.rows, self.version
+            if job is not None:
+                self._run_job(*job)
+                continue
             try:
                 tokens, logprobs = self.runner.run(step)
             except Exception:  # a failed step must not take the engine down with every caller waiting on it
@@ -269,6 +305,14 @@ class EmbeddedEngine:
                 self._count_prefix_cache()
             for seq in done:
                 self._finish(seq)
+
+    def _run_job(self, job: Callable[[], Any], deliver: Callable[[Any, BaseException | None], None]) -> None:
+        try:
+            result = job()
+        except Exception as exc:  # noqa: BLE001 - the caller gets it; the engine goes on
+            deliver(None, exc)
+        else:
+            deliver(result, None)
 
     def _recover(self, rows: list[Sequence], version: int) -> None:
         """After a failed step: run each running row alone. The rows that fail alone end with "error"; the others
@@ -345,6 +389,11 @@ def _own_memory(model: torch.nn.Module) -> None:
 def _resolve(fut: asyncio.Future, result) -> None:
     if not fut.done():
         fut.set_result(result)
+
+
+def _fail(fut: asyncio.Future, error: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(error)
 
 
 class _Group:

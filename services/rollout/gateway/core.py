@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import hmac
@@ -27,6 +28,7 @@ from services.rollout.gateway.offload import Offload
 from services.rollout.gateway.outbox import Outbox, Publish
 from services.rollout.gateway.outputs import ChoiceDecoder
 from services.rollout.gateway.runs import Completion, LiveRun, ReplayRun, Run
+from services.rollout.gateway.scoring import ScoreRequest, score_response
 from services.rollout.gateway.session import Interaction, Session, SessionStore, transcript_key
 from services.rollout.gateway.tokens import Prompt, chat_prompt, completion_prompt
 from services.rollout.gateway.toolcalls import forced_prefix
@@ -139,6 +141,28 @@ class Gateway:
             self._done(session, replay, token)
             metrics.REQUESTS.labels(req.api, str(exc.status) if isinstance(exc, ApiError) else "error").inc()
             raise
+
+    async def score(self, req: ScoreRequest) -> dict:
+        """Each prompt's token log-probs under the served weights (echo scoring); bounded like a generation."""
+        scorer = getattr(self.backend.engine, "score", None)
+        if scorer is None:
+            raise unsupported("echo", f"the {getattr(self.backend.engine, 'kind', 'server')} engine cannot score prompts")
+        for i, ids in enumerate(req.prompts):
+            if len(ids) > self.max_context:
+                raise bad_request(f"prompt[{i}]", f"{len(ids)} tokens; the model's context holds {self.max_context}")
+        self.check_room(None)
+        self.inflight += 1
+        try:
+            logprobs = await asyncio.wait_for(scorer(req.prompts, req.temperature), self.config.request_timeout_s)
+        except TimeoutError as exc:
+            raise ApiError(504, f"scoring took longer than {self.config.request_timeout_s:g} s") from exc
+        except RuntimeError as exc:
+            raise ApiError(503, f"the engine is not accepting work: {exc}") from exc
+        finally:
+            self.inflight -= 1
+        metrics.PROMPT_TOKENS.inc(sum(len(p) for p in req.prompts))
+        return score_response(req, logprobs, int(time.time()), ID_PREFIX["completions"] + uuid.uuid4().hex[:24],
+                              self.fmt.token_text)
 
     async def _admit(self, session: Session | None) -> None:
         try:

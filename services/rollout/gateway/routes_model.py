@@ -12,11 +12,12 @@ from starlette.responses import Response, StreamingResponse
 
 from services.rollout.gateway import anthropic_api, openai_render, responses_api
 from services.rollout.gateway.core import Gateway
-from services.rollout.gateway.errors import ApiError, Dialect, error_body
+from services.rollout.gateway.errors import ApiError, Dialect, bad_request, error_body
 from services.rollout.gateway.http import SSE_HEADERS, api_key, json_response, load_json, read_body, replay_key
 from services.rollout.gateway.messages import GenRequest
 from services.rollout.gateway.openai_parse import parse_chat, parse_completions
 from services.rollout.gateway.runs import Run
+from services.rollout.gateway.scoring import is_scoring, parse_score
 from services.rollout.gateway.tokens import chat_prompt
 
 
@@ -75,8 +76,13 @@ def add_model_routes(app: Starlette, gw: Gateway) -> None:
 
     async def completions(request: Request) -> Response:
         caller = gw.caller(api_key(request))
-        req, raw = await parsed(request, lambda body: parse_completions(body, max_n=cfg.max_n,
-                                                                        strict=cfg.reject_unknown_params))
+        raw = await read_body(request, cfg.max_body_bytes)
+        body = await gw.offload.run(len(raw), lambda: load_json(raw, max_depth=cfg.max_json_depth))
+        if is_scoring(body):  # echo: the prompt's own log-probs (a served teacher), nothing generated or recorded
+            return json_response(await gw.score(parse_score(body, gw.vocab_size)))
+        req = await gw.offload.run(len(raw), lambda: parse_completions(body, max_n=cfg.max_n,
+                                                                       strict=cfg.reject_unknown_params))
+        req.body_bytes = len(raw)
         run = await gw.run(req, caller, replay_key(request, raw))
         if req.stream:
             return sse(run, openai_render.completions_stream(run, req.model, gw.fmt, logprobs=req.logprobs,
@@ -118,6 +124,17 @@ def add_model_routes(app: Starlette, gw: Gateway) -> None:
         finally:
             gw.inflight -= 1
 
+    async def tokenize(request: Request) -> Response:
+        """vLLM's /tokenize for a text prompt: how this model reads it (a served teacher's tokenizer is checked
+        against the policy's this way)."""
+        gw.caller(api_key(request))
+        raw = await read_body(request, cfg.max_body_bytes)
+        body = await gw.offload.run(len(raw), lambda: load_json(raw, max_depth=cfg.max_json_depth))
+        if not isinstance(body, dict) or not isinstance(body.get("prompt"), str):
+            raise bad_request("prompt", "expected a string")
+        ids = await gw.offload.run(len(raw), lambda: gw.fmt.encode(body["prompt"]))
+        return json_response({"count": len(ids), "max_model_len": gw.max_context, "tokens": ids})
+
     def model_card() -> dict:
         return {"id": cfg.model_name, "object": "model", "created": started, "owned_by": "meshrl"}
 
@@ -139,3 +156,4 @@ def add_model_routes(app: Starlette, gw: Gateway) -> None:
         app.add_route(f"{prefix}/messages/count_tokens", count_tokens, methods=["POST"])
         app.add_route(f"{prefix}/models", list_models, methods=["GET"])
         app.add_route(f"{prefix}/models/{{model:path}}", get_model, methods=["GET"])
+    app.add_route("/tokenize", tokenize, methods=["POST"])

@@ -25,6 +25,7 @@ from services.trainer.config import TrainerConfig
 from services.trainer.lora import MergedWeights, adapter_tensors, is_lora
 from services.trainer.packing import packed_forwards
 from services.trainer.reference import check_teacher_tokenizer
+from services.trainer.served_reference import ServedReference
 from services.trainer.step import train_step
 
 
@@ -57,12 +58,14 @@ class TorchBackend(TrainerBackend):
         self.optimizer, self.schedule = config.optim.build(self.model, total_steps=config.total_steps)
         self.critic = config.critic.build(config.model_path, total_steps=config.total_steps) \
             if self.algo.needs_critic else None
-        if self.algo.config.distill_coef > 0:
+        if self.algo.config.distill_coef > 0 and not config.reference.url:
             check_teacher_tokenizer(self.tokenizer, config.reference.model_path)
         self.reference = config.reference.build(self.model, config.model_path) \
             if self.algo.needs_reference or config.reference.always else None
+        if isinstance(self.reference, ServedReference):
+            self.reference.check_tokenizer(self.tokenizer)
         for extra in (self.critic, self.reference):  # loaded on the host from their paths
-            if extra is not None:
+            if extra is not None and not isinstance(extra, ServedReference):
                 extra.model.to(self.device)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.optimizer_seconds = 0.0  # time inside optimizer.step(), for the step's phase times

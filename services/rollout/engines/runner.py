@@ -277,8 +277,8 @@ class ModelRunner:
     def _forward(self, contexts: list[tuple[int, ...]], hit: int, prefixes: list, images: list) -> tuple:
         """One batch through the model: each context's tokens after its first `hit` (whose KV `prefixes` holds),
         left-padded to a common width; the KV columns are [prefix | padding | rest], the mask 0 on the padding.
-        The contexts' images (a vision-language model) go in as one pixel batch, in row order: the model puts each
-        image's features at its placeholders, which are in that order."""
+        The contexts' images (a vision-language model) go in as one pixel batch, in row order, each image's features
+        at its placeholders (image_embeds), which are in that order."""
         width = max(len(c) for c in contexts) - hit
         ids = torch.full((len(contexts), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(contexts), hit + width), dtype=torch.long)

@@ -404,6 +404,7 @@ GATEWAY_MODEL_ROUTES = {("POST", "chat/completions"): {"model": "m", "messages":
                         ("POST", "messages/count_tokens"): {"model": "m",
                                                             "messages": [{"role": "user", "content": "hi"}]},
                         ("GET", "models"): None, ("GET", "models/{model:path}"): None}
+GATEWAY_VLLM_ROUTES = {("POST", "/tokenize"): {"prompt": "hi"}}  # vLLM's own paths, unprefixed; model-route rights
 GATEWAY_ADMIN_ROUTES = {("POST", "/rl/start_session"), ("GET", "/rl/status"), ("GET", "/rl/sessions/{session_id}")}
 GATEWAY_SESSION_ROUTES = {("POST", "/rl/set_reward"), ("POST", "/rl/end_session")}
 GATEWAY_TOOL_ROUTES = {("POST", "/rl/run_code")}  # a session's own key only (a run belongs to an episode)
@@ -421,7 +422,7 @@ def test_gateway_matrix(creds, capsys):
     gw = GatewayServer(scripted_engine(tok, calculator_replies), tok, reward=RewardClient(reward.address)).start()
     try:
         model_routes = {(m, f"{prefix}/{path}"): body for (m, path), body in GATEWAY_MODEL_ROUTES.items()
-                        for prefix in ("/v1", "")}
+                        for prefix in ("/v1", "")} | GATEWAY_VLLM_ROUTES
         served = {(m, r.path) for r in gw.app.routes for m in r.methods if m != "HEAD"}
         assert served == {*model_routes, *GATEWAY_ADMIN_ROUTES, *GATEWAY_SESSION_ROUTES, *GATEWAY_TOOL_ROUTES,
                           *GATEWAY_LABEL_ROUTES, *GATEWAY_OPEN_ROUTES}, \

@@ -17,9 +17,9 @@ from nats.js.api import ObjectStoreConfig
 
 from services.common.bus import IMAGES_SHARE, Bus, InvalidMessage, retry
 from services.common.contracts import data_pb2
+from services.common.image_data import MAX_IMAGE_BYTES
 
 BUCKET = "IMAGES"
-MAX_IMAGE_BYTES = 8 << 20   # one encoded image
 SHA256 = re.compile(r"[0-9a-f]{64}")
 
 

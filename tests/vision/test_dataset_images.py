@@ -63,3 +63,10 @@ def test_rows_name_their_images_by_path_data_url_or_bytes(tmp_path, vlm_dir, pic
     bad = DatasetConfig(train=str(tmp_path / "bad.jsonl"), eval=str(tmp_path / "eval.jsonl"))
     with pytest.raises(ValueError, match=r"bad.jsonl:1: field images\[0\]: cannot read .*missing.png"):
         bad.build(seed=0, train_size=0, eval_size=0)
+    # data URLs are checked as the gateway checks them: a URL is never fetched, the media type must be an image's
+    for image, why in (("https://example.com/a.png", "images are never fetched"),
+                       ("data:text/plain;base64,aGk=", "media type 'text/plain' is not supported"),
+                       ("data:image/png;base64,@@", "not valid base64")):
+        (tmp_path / "bad.jsonl").write_text(json.dumps({**rows[0], "images": [image]}))
+        with pytest.raises(ValueError, match=rf"bad.jsonl:1: field images\[0\]: {why}"):
+            bad.build(seed=0, train_size=0, eval_size=0)

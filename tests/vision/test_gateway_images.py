@@ -96,7 +96,7 @@ def test_openai_and_anthropic_images_reach_the_policy_and_the_trainer(vlm_gatewa
 def test_urls_to_fetch_and_reserved_characters_are_refused_naming_the_field(vlm_gateway):
     s = vlm_gateway.start_session(task_id="count-3")
     client = OpenAI(base_url=vlm_gateway.url + "/v1", api_key=s["api_key"], max_retries=0)
-    with pytest.raises(BadRequestError, match=r"messages\[0\]\.content\[0\]\.image_url\.url: the gateway fetches nothing"):
+    with pytest.raises(BadRequestError, match=r"messages\[0\]\.content\[0\]\.image_url\.url: images are never fetched"):
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}])
     with pytest.raises(BadRequestError, match=r"messages\[0\]\.content: holds U\+E000"):

@@ -7,14 +7,13 @@ Parquet through pyarrow and saved directories through ``datasets`` (both importe
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import pathlib
 from collections.abc import Iterator
 from typing import Any
 
 from services.common.errors import FieldError
+from services.common.image_data import ImageDataError, check_size, decode_data_url
 
 FILE_SOURCES = ("jsonl", "parquet", "disk")
 
@@ -106,24 +105,17 @@ def with_images(rows: Iterator[tuple[str, Any]], field: str, base_dir: pathlib.P
 def _image(item: Any, base_dir: pathlib.Path, where: str) -> bytes:
     if isinstance(item, dict):
         item = item.get("bytes") or item.get("path")
-    if isinstance(item, bytes | bytearray):
-        data = bytes(item)
-    elif isinstance(item, str) and item.startswith("data:"):
-        head, sep, payload = item.partition(",")
-        if not sep or not head.endswith(";base64"):
-            raise ValueError(f"{where}: a data URL must be data:image/<type>;base64,<data>")
-        try:
-            data = base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError) as exc:
-            raise ValueError(f"{where}: not valid base64 ({exc})") from exc
-    elif isinstance(item, str) and item:
-        path = pathlib.Path(item) if pathlib.Path(item).is_absolute() else base_dir / item
-        try:
-            data = path.read_bytes()
-        except OSError as exc:
-            raise ValueError(f"{where}: cannot read {path} ({exc.strerror})") from exc
-    else:
-        raise ValueError(f"{where}: expected a path, a data URL or bytes, got {type(item).__name__}")
-    if not data:
-        raise ValueError(f"{where}: the image is empty")
-    return data
+    try:
+        if isinstance(item, bytes | bytearray):
+            return check_size(bytes(item))
+        if isinstance(item, str) and item.startswith(("data:", "http://", "https://")):
+            return decode_data_url(item)
+        if isinstance(item, str) and item:
+            path = pathlib.Path(item) if pathlib.Path(item).is_absolute() else base_dir / item
+            try:
+                return check_size(path.read_bytes())
+            except OSError as exc:
+                raise ValueError(f"{where}: cannot read {path} ({exc.strerror})") from exc
+    except ImageDataError as exc:
+        raise ValueError(f"{where}: {exc}") from exc
+    raise ValueError(f"{where}: expected a path, a data URL or bytes, got {type(item).__name__}")

@@ -10,19 +10,14 @@ LLaVA family); the engine replaces the placeholders by the images' features. The
 
 from __future__ import annotations
 
-import base64
-import binascii
 import dataclasses
-import re
 from collections.abc import Callable
 from typing import Any
 
-from services.common.images import MAX_IMAGE_BYTES
+from services.common.image_data import ImageDataError, decode_base64, decode_data_url
 from services.rollout.gateway.errors import bad_request, unsupported
 
 IMAGE_MARK = "\ue000"
-MEDIA_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
-_DATA_URL = re.compile(r"data:(?P<type>[\w/+.-]+)?(?P<params>(;[\w-]+=[^;,]*)*)(?P<b64>;base64)?,(?P<data>.*)", re.DOTALL)
 
 
 def check_text(text: str, path: str) -> str:
@@ -35,12 +30,7 @@ def from_data_url(url: str, path: str) -> bytes:
     """An OpenAI ``image_url.url``: a base64 data URL of an image."""
     if not isinstance(url, str):
         raise bad_request(path, "expected a string URL")
-    if url.startswith(("http://", "https://")):
-        raise unsupported(path, "the gateway fetches nothing: send the image inline as a data:image/...;base64 URL")
-    found = _DATA_URL.fullmatch(url)
-    if found is None or not found["b64"]:
-        raise bad_request(path, "expected a data:image/<type>;base64,<data> URL")
-    return _decode(found["data"], found["type"] or "", path)
+    return _checked(lambda: decode_data_url(url), path)
 
 
 def from_base64_source(source: dict, path: str) -> bytes:
@@ -52,21 +42,14 @@ def from_base64_source(source: dict, path: str) -> bytes:
     data = source.get("data")
     if not isinstance(data, str):
         raise bad_request(f"{path}.data", "expected a base64 string")
-    return _decode(data, source.get("media_type") or "", f"{path}.data")
+    return _checked(lambda: decode_base64(data, source.get("media_type") or ""), f"{path}.data")
 
 
-def _decode(data: str, media_type: str, path: str) -> bytes:
-    if media_type not in MEDIA_TYPES:
-        raise unsupported(path, f"media type {media_type or '(none)'!r} is not supported (one of {', '.join(MEDIA_TYPES)})")
-    if len(data) > 4 * MAX_IMAGE_BYTES // 3 + 4:
-        raise bad_request(path, f"the image is larger than {MAX_IMAGE_BYTES} bytes")
+def _checked(decode: Callable[[], bytes], path: str) -> bytes:
     try:
-        blob = base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise bad_request(path, f"not valid base64 ({exc})") from exc
-    if not blob:
-        raise bad_request(path, "the image is empty")
-    return blob
+        return decode()
+    except ImageDataError as exc:
+        raise (unsupported if exc.unsupported else bad_request)(path, str(exc)) from exc
 
 
 def expand(ids: list[int], token: int, per_image: int) -> list[int]:

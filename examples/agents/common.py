@@ -69,6 +69,18 @@ def arguments(description: str, extra: Callable[[argparse.ArgumentParser], None]
     return args
 
 
+def run_in_environment(script: str, module: str, venv: str, make_target: str) -> None:
+    """Re-execute `script` with the repository's `venv` unless `module` imports here: an agent framework lives in
+    its own environment so that its dependency tree never moves meshrl's pins."""
+    try:
+        __import__(module)
+    except ImportError:
+        python = Path(__file__).resolve().parents[2] / venv / "bin" / "python"
+        if not python.exists():
+            sys.exit(f"{Path(script).name}: {module} is not installed; run `make {make_target}` (it creates {venv})")
+        os.execv(str(python), [str(python), script, *sys.argv[1:]])
+
+
 def read_admin_key(base_url: str, path: str | None) -> str | None:
     """The key in `path`; without one, in the file a gateway on this machine names in its discovery note
     (`$MESHRL_RUNTIME_DIR` or ~/.cache/meshrl/runtime, `gateway-<port>.json`: the key file's path, never the key)."""

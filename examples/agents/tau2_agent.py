@@ -25,15 +25,11 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm would otherwise fetch its price list
-try:
-    import tau2  # noqa: F401
-except ImportError:
-    python = ROOT / ".venv-tau2" / "bin" / "python"
-    if not python.exists():
-        sys.exit("tau2_agent.py: tau2-bench is not installed; run `make tau2-env` (it creates .venv-tau2)")
-    os.execv(str(python), [str(python), __file__, *sys.argv[1:]])
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import run_in_environment  # noqa: E402
+
+run_in_environment(__file__, "tau2", ".venv-tau2", "tau2-env")
 
 import concurrent.futures  # noqa: E402
 import json  # noqa: E402
@@ -41,7 +37,6 @@ import random  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tau2_scripted  # noqa: E402
 from common import TaskSpec, arguments, finish, start_sessions  # noqa: E402
 from tau2.agent.llm_agent import LLMAgent  # noqa: E402

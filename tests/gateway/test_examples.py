@@ -21,6 +21,8 @@ import common  # noqa: E402  (examples/agents/common.py)
 import tool_episodes  # noqa: E402  (scripts/tool_episodes.py)
 
 AGENTS = ["openai_calculator_agent.py", "anthropic_calculator_agent.py"]
+FRAMEWORK_AGENTS = ["langchain_agent.py", "camel_agent.py"]  # LangChain, CAMEL-AI: .venv-agents (make agents-env)
+HAS_FRAMEWORKS = (EXAMPLES.parents[1] / ".venv-agents" / "bin" / "python").exists()
 
 
 def run_agent(gw, script: str, *extra: str) -> list[dict]:
@@ -46,6 +48,21 @@ def test_example_agent_calls_the_tool_and_earns_its_reward(solver_gw, script):
     trajs = solver_gw.published[before:]
     assert len(trajs) == 4 and {t.group_size for t in trajs} == {2} and len({t.group_id for t in trajs}) == 2
     assert all(t.reward == 1.0 and 0 in t.loss_mask for t in trajs)  # two turns: tool result tokens are masked
+
+
+@pytest.mark.skipif(not HAS_FRAMEWORKS, reason="no .venv-agents: `make agents-env` (make test runs it)")
+@pytest.mark.parametrize("script", FRAMEWORK_AGENTS)
+def test_framework_agents_train_unchanged_but_for_base_url_and_key(solver_gw, script):
+    """LangChain's and CAMEL's own agent loops (their tool calling, their message history sent back each turn)
+    against the gateway: each episode is one trajectory (the second call extends the first's tokens), tool results
+    masked, the reward the agent earned."""
+    before = len(solver_gw.published)
+    episodes = run_agent(solver_gw, script, "--episodes", "2", "--group-size", "2")
+    assert [e["reward"] for e in episodes] == [1.0] * 2, episodes
+    assert all(e["tool_calls"] == 1 and e["turns"] == 2 and e["trajectories"] == 1 for e in episodes), episodes
+    trajs = solver_gw.published[before:]
+    assert len(trajs) == 2 and {t.group_size for t in trajs} == {2}
+    assert all(t.reward == 1.0 and 0 in t.loss_mask and 1 in t.loss_mask for t in trajs)
 
 
 @pytest.mark.parametrize("script", AGENTS)

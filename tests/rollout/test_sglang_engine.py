@@ -25,15 +25,18 @@ from services.rollout.engines.sequence import Sampling, Status
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 PROMPTS = [[72, 101, 108, 108, 111], [87, 104, 97, 116, 32, 105, 115]]
 LAYER = "model.layers.0.mlp.down_proj.weight"
+QKV = "model.layers.1.self_attn.k_proj.weight"   # SGLang holds it inside the fused qkv_proj
+LOADER = "services.rollout.engines.sglang_worker.meshrl_weights"
 
 
 @contextlib.contextmanager
-def double(model: str, token_delay: float = 0.0, ignore_eos: bool = False):
+def double(model: str, token_delay: float = 0.0, ignore_eos: bool = False, custom_loader: bool = False):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "tests.rollout.sglang_double", "--model", model, "--port",
-                             str(port), "--token-delay", str(token_delay)] + ["--ignore-eos"] * ignore_eos, cwd=ROOT)
+                             str(port), "--token-delay", str(token_delay)] + ["--ignore-eos"] * ignore_eos
+                            + ["--custom-weight-loader", LOADER] * custom_loader, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -226,6 +229,65 @@ def test_distributed_update_broadcasts_into_the_server(tiny_qwen3):
         assert state(url)["updates"] == 1 and state(url)["weight_version"] == "3"
     assert seq.versions == [3] * len(seq.output_ids)
     assert seq.logprobs == pytest.approx(expected_logprobs(str(tiny_qwen3), seq, 0.0, {3: new}), abs=1e-4)
+
+
+def test_each_tp_worker_pulls_its_own_shard_in_place(tiny_qwen3, tmp_path):
+    """weight_sync worker: no stage in this process; the server's worker (the double calls meshrl's custom loader
+    as SGLang's model runner does, on weights held under SGLang's names and fused shapes) reports what it holds,
+    pulls exactly its bytes from the trainer's sender, commits them in place with a cache flush, and generates with
+    the new weights. A pull whose sender is gone is abandoned: the old weights stay whole."""
+    from transformers import AutoModelForCausalLM
+
+    from services.weight_exchange.bench.local import engine_receiver, local_exchange
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_qwen3), dtype=torch.float32).eval()
+    params = dict(hf.named_parameters())
+    original = {n: params[n].detach().clone() for n in (LAYER, QKV)}
+    with double(str(tiny_qwen3), custom_loader=True) as url:
+        engine = engine_for(url, str(tiny_qwen3), weight_sync="worker", results_dir=str(tmp_path / "results"),
+                            control_timeout=60)
+        engine.start()
+        held = {name: shape for name, shape, *_ in engine.workers[0]["params"]}
+        assert held["model.layers.1.self_attn.qkv_proj.weight"] == [256, 128] and QKV not in held
+        assert held["model.embed_tokens.weight"] == [320, 128]   # the vocabulary padded to 64 rows
+        assert engine.stage is None
+        with pytest.raises(RuntimeError, match="weight_sync is worker"):
+            engine.named_parameters()
+
+        def change(p) -> None:
+            p[LAYER].mul_(-1.0)
+            p[QKV].mul_(2.0)
+
+        async def run():
+            async with local_exchange(params, engine_receiver(engine)) as wx:
+                reply = await wx.update(1, change, transport="tcp")
+                model_bytes = sum(t.numel() * t.element_size() for n, t in params.items() if n != "lm_head.weight")
+                assert reply.bytes_moved == model_bytes == sum(s.num_bytes for s in engine.receiver_shards)
+                seq = (await engine.generate(PROMPTS[1], Sampling(temperature=0.0, max_new_tokens=6)))[0]
+                await asyncio.to_thread(wx.sender.server.stop)   # the sender's data plane is gone
+                with pytest.raises(Exception, match="trainer-0"):
+                    await wx.update(2, lambda p: p[LAYER].mul_(-1.0), transport="tcp")
+            after = (await engine.generate(PROMPTS[1], Sampling(temperature=0.0, max_new_tokens=6)))[0]
+            return reply, seq, after
+
+        try:
+            reply, seq, after = asyncio.run(run())
+        finally:
+            engine.stop()
+        assert state(url)["cache_flushes"] == 1 and engine.last_update["in_place"] >= 2
+    changed = {LAYER: -original[LAYER], QKV: 2.0 * original[QKV]}
+    assert seq.versions == [1] * len(seq.output_ids) and after.versions == [1] * len(after.output_ids)
+    assert seq.logprobs == pytest.approx(expected_logprobs(str(tiny_qwen3), seq, 0.0, {1: changed}), abs=1e-4)
+    assert after.output_ids == seq.output_ids, "the abandoned update left the weights of version 1 whole"
+    assert not list((tmp_path / "results").iterdir()), "every result read and removed"
+
+
+def test_a_server_without_the_loader_is_named(tiny_qwen3, tmp_path):
+    with double(str(tiny_qwen3)) as url:
+        engine = engine_for(url, str(tiny_qwen3), weight_sync="worker", results_dir=str(tmp_path))
+        with pytest.raises(RuntimeError, match="Unknown load_format"):
+            engine.start()
+        engine.stop()
 
 
 # a server that does not answer --------------------------------------------------------------------------------------

@@ -25,6 +25,11 @@ the checkpoint's at start): the weight exchange's receiver writes into them whil
   distributed  a broadcast from this process (rank 0) over a process group the server joined at start
                (`/init_weights_update_group`, backend `sglang.group_backend`: nccl on GPUs) +
                `/update_weights_from_distributed`
+  worker       no stage: each TP worker of the server pulls its own shard from the trainer's senders and writes it
+               into its live parameters in place (services.rollout.engines.sglang_worker, SGLang's custom weight
+               loader driven through /update_weights_from_tensor; the server must be launched with
+               --custom-weight-loader, which a started server is; results come back through files in
+               `sglang.results_dir`, so the rollout and the server share a host or a filesystem)
   none         no updates (named_parameters() raises)
 """
 
@@ -56,8 +61,9 @@ from services.rollout.engines.server_engine import (
     ServerStats,
     engine_args,
 )
+from services.rollout.engines.worker_pulls import WorkerPulls
 
-WEIGHT_SYNCS = ("disk", "distributed", "none")
+WEIGHT_SYNCS = ("disk", "distributed", "worker", "none")
 GROUP_BACKENDS = ("nccl", "gloo")  # gloo: CPU tensors (tests); nccl: GPU tensors
 GROUP_NAME = "meshrl_weight_update"
 PAUSE_GRACE = 5.0  # seconds for the server to hand back what /pause_generation aborted before we cancel the rest
@@ -80,7 +86,8 @@ class SGLangConfig:
     control_timeout: float = 300.0   # seconds for pause / continue / a weight update / the group's rendezvous
     connect_timeout: float = 10.0    # seconds to open a connection to the server
     max_connections: int = 512       # HTTP connections to the server (one per sequence in flight)
-    weight_sync: str = "disk"        # disk | distributed | none: how new weights reach the server (see the module)
+    weight_sync: str = "disk"        # disk | distributed | worker | none: how new weights reach the server (see the module)
+    results_dir: str = ""            # worker: where the workers write each command's result; empty: run_dir or a temp dir
     weights_dir: str = ""            # disk: where checkpoints are written (the server reads them); empty: run_dir or a temp dir
     stage_dir: str = "/dev/shm"      # the stage's backing file (host memory)
     group_backend: str = "nccl"      # distributed: the process group's backend (nccl | gloo)
@@ -122,10 +129,12 @@ class SGLangConfig:
 SGLangStats = ServerStats
 
 
-class SGLangEngine(ServerEngine):
+class SGLangEngine(WorkerPulls, ServerEngine):
     kind = "sglang"
     name = "sglang"
     server_name = "SGLang"
+    worker_setting = "engine.sglang.weight_sync"  # the setting that puts the weights in the workers
+    layout_engine = "sglang"
     weights_off = "engine.sglang.weight_sync is none"
     startup_poll = 0.5
     watch_ping_timeout = 20.0
@@ -135,6 +144,11 @@ class SGLangEngine(ServerEngine):
         self.group = None
         self.model_info: dict = {}
         self.server_info: dict = {}
+        self._init_worker_pulls()
+
+    @property
+    def in_workers(self) -> bool:
+        return self.config.weight_sync == "worker"
 
     @property
     def connect_timeout(self) -> float:
@@ -148,7 +162,7 @@ class SGLangEngine(ServerEngine):
 
         from services.rollout.engines.vllm_engine import Stage
 
-        if self.config.weight_sync != "none" and self.stage is None:
+        if self.config.weight_sync not in ("none", "worker") and self.stage is None:
             self.stage = Stage(self.model_path, getattr(torch, self.dtype), self.config.stage_dir)
         if not self.url:
             self._launch()
@@ -157,6 +171,10 @@ class SGLangEngine(ServerEngine):
         self.server_info = self._server_info()
         if self.config.weight_sync == "distributed":
             self._join_group()
+        if self.in_workers:
+            body, command_id = self._worker_command("live", {})
+            _request("POST", self.url + "/update_weights_from_tensor", body, self.config.control_timeout)
+            self._register_workers(self._worker_results(command_id, "live"))
         self.log.info("sglang_ready", url=self.url, model=self.model_info.get("model_path"), version=self.version,
                       server_version=self.server_info.get("version"), tp_size=self.server_info.get("tp_size"),
                       weight_sync=self.config.weight_sync, started=self.process is not None)
@@ -171,6 +189,10 @@ class SGLangEngine(ServerEngine):
                 "--tp-size", str(c.tp_size), "--served-model-name", "meshrl-policy"]
         if c.mem_fraction_static:
             args += ["--mem-fraction-static", str(c.mem_fraction_static)]
+        if self.in_workers:
+            from services.rollout.engines.sglang_worker import LOADER
+
+            args += ["--custom-weight-loader", LOADER]
         args += list(c.extra_args)
         self._spawn(args, self._server_env(), c.host, port)
 
@@ -248,7 +270,67 @@ class SGLangEngine(ServerEngine):
     async def _resume_server(self) -> None:
         await self._post("/continue_generation", {}, timeout=self.config.control_timeout)
 
+    def weight_receiver_args(self) -> dict:
+        return self._workers_receiver_args() if self.in_workers else super().weight_receiver_args()
+
+    def _tp_size(self) -> int:
+        return int(self.server_info.get("tp_size") or 1)
+
+    def _worker_command(self, op: str, extra: dict) -> tuple[dict, str]:
+        """The /update_weights_from_tensor body that runs one command in every TP worker, and the command's id."""
+        import base64
+        import pickle
+
+        from services.rollout.engines.sglang_worker import LOADER, encode_command
+
+        command_id = f"{op}-{uuid.uuid4().hex[:12]}"
+        tp = self._tp_size()
+        entries = [base64.b64encode(pickle.dumps(encode_command({  # SGLang's serializer format, plain tensors only
+            "op": op, "id": command_id, "tp": tp, "tp_rank": rank, "result_dir": self._results_dir(), **extra})))
+            .decode() for rank in range(tp)]
+        return {"serialized_named_tensors": entries, "load_format": LOADER, "flush_cache": op == "commit"}, command_id
+
+    def _worker_results(self, command_id: str, op: str) -> list[dict]:
+        """Each TP worker's result of a command (RuntimeError naming the rank that failed or wrote none)."""
+        from services.rollout.engines.sglang_worker import LOADER, result_path
+
+        out = []
+        for rank in range(self._tp_size()):
+            path = result_path(self._results_dir(), command_id, rank)
+            if not path.exists():
+                raise RuntimeError(f"SGLang TP rank {rank} wrote no result for {op} in {path.parent}: is the server "
+                                   f"launched with --custom-weight-loader {LOADER}, on this host?")
+            result = json.loads(path.read_text())
+            path.unlink()
+            if "error" in result:
+                raise RuntimeError(f"SGLang TP rank {rank}: {op}: {result['error']}")
+            out.append(result)
+        return out
+
+    async def _worker_rpc(self, method: str, *args: str, timeout: float) -> list:
+        op = method.removeprefix("meshrl_")
+        extra = {"pull": lambda: {"job": json.loads(args[0])}, "commit": lambda: {"sync_id": args[0]},
+                 "discard": dict}[op]()
+        body, command_id = self._worker_command(op, extra)
+        reply = await self._post("/update_weights_from_tensor", body, timeout=timeout)
+        if not (reply or {}).get("success", False):
+            raise RuntimeError(f"SGLang /update_weights_from_tensor ({op}) failed: {reply}")
+        return [json.dumps(r) for r in self._worker_results(command_id, op)]
+
+    def _results_dir(self) -> str:
+        if not getattr(self, "_results", None):
+            if self.config.results_dir:
+                self._results = self.config.results_dir
+            elif self.run_dir:
+                self._results = str(pathlib.Path(self.run_dir) / "sglang-worker-results")
+            else:
+                self._results = tempfile.mkdtemp(prefix="meshrl-sglang-results-")
+            pathlib.Path(self._results).mkdir(parents=True, exist_ok=True)
+        return self._results
+
     async def _send_weights(self, version: int) -> dict:
+        if self.in_workers:
+            return self._take_pulled(version)
         if self.config.weight_sync == "disk":
             from services.rollout.engines.sglang_weights import write_checkpoint
 

@@ -44,7 +44,6 @@ import math
 import os
 import pathlib
 import sys
-import time
 import uuid
 
 import numpy as np
@@ -63,6 +62,7 @@ from services.rollout.engines.server_engine import (
     http_post_json,
     read_json,
 )
+from services.rollout.engines.worker_pulls import WorkerPulls
 
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 WEIGHT_PATHS = ("worker", "stage")
@@ -133,28 +133,6 @@ def routed_experts(encoded: str) -> torch.Tensor:
     return torch.from_numpy(array.astype(np.int16))
 
 
-def worker_shards(workers: list[dict], model_path: str, dtype: str,
-                  engine: str = "vllm") -> tuple[list, dict[str, int]]:
-    """The receiver shards of an engine's workers from what each reported (`meshrl_live_params`), checked against
-    the vLLM layout of the model (LayoutMismatch names each difference); with several workers each local name is
-    prefixed `w<rank>/`, so one receiver holds every worker's shards without overlap."""
-    import dataclasses as dc
-
-    from services.weight_exchange.client.layouts.live import live_layout
-    from services.weight_exchange.client.layouts.model import model_spec
-
-    spec = model_spec(model_path, dtype)
-    shards = []
-    for w in workers:
-        params = {name: (tuple(shape), dt) for name, shape, dt, _ in w["params"]}
-        layout = live_layout(f"vllm-worker-{w['rank']}", params, spec, engine, tp=w["tp"], tp_rank=w["tp_rank"])
-        prefix = f"w{w['rank']}/" if len(workers) > 1 else ""
-        shards += [dc.replace(s, local_name=prefix + s.local_name) for s in layout.shards]
-    # what the workers share (sizes, not ranks)
-    parallel = {k: v for k, v in layout.parallel.items() if k != "tp_rank"} | {"workers": len(workers)}
-    return shards, parallel
-
-
 class Stage:
     """The model's tensors under their Hugging Face names in one /dev/shm file, which vLLM's worker maps too (same
     host: it opens the file as /proc/<this pid>/fd/<fd>)."""
@@ -216,9 +194,10 @@ class Stage:
             self._fd = -1
 
 
-class VLLMEngine(ServerEngine):
+class VLLMEngine(WorkerPulls, ServerEngine):
     kind = "vllm"
     name = "vllm"
+    worker_setting = "engine.vllm.weight_path"  # the setting that puts the weights in the workers
     layout_engine = "vllm"      # the weight exchange's layout rules (vllm_ascend: fused experts kept transposed)
     server_name = "vLLM"
     weights_off = "engine.vllm.weight_updates is off"
@@ -227,12 +206,8 @@ class VLLMEngine(ServerEngine):
         super().__init__(config, **engine_args)
         self.stage: Stage | None = None
         self.served_model = ""
-        self.workers: list[dict] = []           # weight_path worker: what each vLLM worker reported at start
-        self.receiver_shards: list | None = None
-        self.receiver_parallel: dict[str, int] = {}
+        self._init_worker_pulls()               # weight_path worker
         self._transposed: list[str] = []        # local names the workers hold transposed (vLLM-Ascend's experts)
-        self._pulled: tuple[int, dict] | None = None  # (version, details) committed into the workers, not resumed yet
-        self.last_update: dict = {}             # the details of the last update taken (pull / commit seconds, bytes)
 
     @property
     def in_workers(self) -> bool:
@@ -252,9 +227,7 @@ class VLLMEngine(ServerEngine):
 
             reply = http_post_json(self.url + "/collective_rpc", {"method": "meshrl_live_params",
                                    "timeout": self.config.control_timeout}, self.config.control_timeout)
-            self.workers = [json.loads(r) for r in reply["results"]]
-            self.receiver_shards, self.receiver_parallel = worker_shards(self.workers, self.model_path, self.dtype,
-                                                                         self.layout_engine)
+            self._register_workers([json.loads(r) for r in reply["results"]])
             self._transposed = sorted({n for w in self.workers for n, *_ in w["params"]
                                        if is_transposed(self.layout_engine, n)})
         self.log.info("vllm_ready", url=self.url, model=self.served_model, version=self.version,
@@ -294,58 +267,13 @@ class VLLMEngine(ServerEngine):
     async def _resume_server(self) -> None:
         await self._post("/resume", timeout=self.config.control_timeout)
 
-    def _holds_weights(self) -> bool:
-        return self.stage is not None or self.receiver_shards is not None
-
-    def named_parameters(self) -> dict:
-        if self.in_workers:
-            raise RuntimeError("engine.vllm.weight_path is worker: the weights live in vLLM's workers, which pull "
-                               "their own shards (weight_receiver_args)")
-        return super().named_parameters()
-
     def weight_receiver_args(self) -> dict:
         """Keyword arguments for the weight exchange's ReceiverAgent: the workers' shards and `pull` (worker), or
         the stage's tensors."""
-        if not self.in_workers:
-            return {"params": self.named_parameters()}
-        if self.receiver_shards is None:
-            raise RuntimeError("the vLLM engine is not started: its workers have not reported their parameters")
-        return {"params": {}, "shards": self.receiver_shards, "parallel": self.receiver_parallel,
-                "framework": "vllm", "pull": self.pull_into_workers}
+        return self._workers_receiver_args() if self.in_workers else {"params": self.named_parameters()}
 
-    async def pull_into_workers(self, job):
-        """Each worker pulls its planned bytes (phase one), then all commit them (phase two); any failure discards
-        what every worker pulled and raises TransportError (TransferTimeout past the job's deadline) naming it."""
-        from services.weight_exchange.client.sink import PullResult
-        from services.weight_exchange.client.wire import TransferTimeout, TransportError
-
-        if not self._paused:
-            raise RuntimeError(f"pull version {job.version}: the engine is not paused")
-        started = time.monotonic()
-        body = {**job.to_json(), "prefix_by_rank": len(self.workers) > 1, "transposed": self._transposed}
-        try:
-            # vLLM's own RPC deadline after the workers' (theirs names the link and tensor that stalled)
-            reply = await self._worker_rpc("meshrl_pull", json.dumps(body), timeout=job.timeout + 30.0)
-            pulled = [json.loads(r) for r in reply]
-            committed = [json.loads(r) for r in await self._worker_rpc("meshrl_commit", job.sync_id,
-                                                                         timeout=self.config.control_timeout)]
-        except Exception as exc:  # noqa: BLE001 - every failure abandons the update in every worker
-            with contextlib.suppress(Exception):
-                await self._worker_rpc("meshrl_discard", timeout=30.0)
-            late = time.monotonic() - started >= job.timeout or isinstance(exc, TimeoutError | asyncio.TimeoutError)
-            ranks = ", ".join(str(w["rank"]) for w in self.workers)
-            raise (TransferTimeout if late else TransportError)(
-                f"vLLM workers (ranks {ranks}): {type(exc).__name__}: {exc}") from exc
-        seconds = time.monotonic() - started
-        details = {"workers": len(pulled), "bytes": sum(p["bytes_received"] for p in pulled),
-                   "delta": job.delta_base is not None,
-                   "pull_seconds": round(max(p["seconds"] for p in pulled), 4),
-                   "commit_seconds": round(max(c["seconds"] for c in committed), 4),
-                   "packed": sum(c["packed"] for c in committed), "in_place": sum(c["in_place"] for c in committed),
-                   "unchanged": sum(c["unchanged"] for c in committed)}
-        self._pulled = (job.version, details)
-        checksum = ",".join(p["checksum"] for p in pulled) if job.verify else ""
-        return PullResult(details["bytes"], seconds, checksum, sum(p["bytes_full"] for p in pulled))
+    def _pull_body(self, job) -> dict:
+        return {**super()._pull_body(job), "transposed": self._transposed}
 
     async def _worker_rpc(self, method: str, *args: str, timeout: float) -> list:
         reply = await self._post("/collective_rpc", {"method": method, "args": list(args), "timeout": timeout},
@@ -354,11 +282,7 @@ class VLLMEngine(ServerEngine):
 
     async def _send_weights(self, version: int) -> dict:
         if self.in_workers:
-            if self._pulled is None or self._pulled[0] != version:
-                raise RuntimeError(f"version {version} was not pulled into vLLM's workers")
-            details, self._pulled = self._pulled[1], None
-            self.last_update = details
-            return details
+            return self._take_pulled(version)
         reply = await self._post("/collective_rpc", {
             "method": "meshrl_load_staged", "args": [self.stage.manifest()],
             "timeout": self.config.control_timeout}, timeout=self.config.control_timeout)

@@ -180,6 +180,48 @@ def planned_elements(transfers) -> collections.Counter:
     return counts
 
 
+def job_for(raw: dict, rank: int):
+    """The PullJob in `raw` (PullJob.to_json() plus `prefix_by_rank`: local names are `w<rank>/...` when the engine
+    has several workers) with only this worker's transfers, under the names it holds them by."""
+    import dataclasses
+
+    from services.weight_exchange.client.sink import PullJob
+
+    job = PullJob.from_json(raw)
+    prefix = f"w{rank}/" if raw.get("prefix_by_rank") else ""
+    job.transfers = [dataclasses.replace(t, dst_local=t.dst_local[len(prefix):])
+                     for t in job.transfers if t.dst_local.startswith(prefix)]
+    return job
+
+
+def pull_buffers(job, live: dict, shadow: dict, who: str) -> dict[str, torch.Tensor]:
+    """Where a pull lands: a buffer in its logical shape for every parameter `job` writes (`live`: name ->
+    (module, tensor, logical shape, packed), as `live_params` gives it). Empty when every element arrives, the
+    current values when only some do (the padded rows of a vocabulary shard keep theirs) or when the job is a
+    delta (it sets the changed elements of what is held; a packed layer's plain values are only in `shadow`)."""
+    buffers: dict[str, torch.Tensor] = {}
+    planned = planned_elements(job.transfers)
+    for name in sorted(planned):
+        if name not in live:
+            raise ValueError(f"transfers.dst_local_name: {name!r} is not a parameter of {who}")
+        _, param, shape, packed = live[name]
+        if job.delta_base is not None:
+            current = shadow.get(name) if packed else param
+            if current is None:
+                raise ValueError(f"delta_base_version: {who} keeps no plain copy of packed {name}: "
+                                 "a full update is needed")
+            buffers[name] = current.clone()
+        elif planned[name] == math.prod(shape):
+            buffers[name] = torch.empty(shape, dtype=param.dtype, device=param.device)   # contiguous
+        elif not packed:
+            buffers[name] = param.clone()
+        else:
+            # a packed layer is rebuilt from its buffer alone: every element must arrive
+            raise ValueError(f"transfers: packed {name} must be sent whole to {who} "
+                             f"({planned[name]} of {math.prod(shape)} elements planned)")
+    return buffers
+
+
 class Pending(NamedTuple):
     """What a pull leaves for the commit."""
 
@@ -210,44 +252,12 @@ class WeightUpdateExtension:
         so a pull that fails anywhere leaves every worker serving the old version whole). job: PullJob.to_json()
         plus `prefix_by_rank` (local names `w<rank>/...`: the engine has several workers); only this worker's
         transfers are taken. Returns JSON {bytes_received, seconds, checksum, tensors}."""
-        import dataclasses
-
-        from services.weight_exchange.client.sink import PullJob
-
         started = time.perf_counter()
         raw = json.loads(job_json)
-        job = PullJob.from_json(raw)
-        prefix = f"w{self.rank}/" if raw.get("prefix_by_rank") else ""
-        job.transfers = [dataclasses.replace(t, dst_local=t.dst_local[len(prefix):])
-                         for t in job.transfers if t.dst_local.startswith(prefix)]
+        job = job_for(raw, int(self.rank))
         transposed = tuple(raw.get("transposed", ()))
         live = live_params(self.model_runner.get_model(), transposed)
-        shadow = getattr(self, "_meshrl_shadow", {})
-        planned = planned_elements(job.transfers)
-        buffers: dict[str, torch.Tensor] = {}
-        for name in sorted(planned):
-            if name not in live:
-                raise ValueError(f"transfers.dst_local_name: {name!r} is not a parameter of worker {self.rank}")
-            _, param, shape, packed = live[name]
-            if job.delta_base is not None:
-                # a delta sets the changed elements of what the worker holds: start from it (a packed layer's
-                # plain values are only in the shadow kept at its last commit)
-                current = shadow.get(name) if packed else param
-                if current is None:
-                    raise ValueError(f"delta_base_version: worker {self.rank} keeps no plain copy of packed {name}: "
-                                     "a full update is needed")
-                buffers[name] = current.clone()
-                continue
-            numel = math.prod(shape)
-            if planned[name] == numel:
-                buffers[name] = torch.empty(shape, dtype=param.dtype, device=param.device)   # contiguous
-            elif not packed:
-                # the update leaves some elements alone (the padded rows of a vocabulary shard): they keep theirs
-                buffers[name] = param.clone()
-            else:
-                # a packed layer is rebuilt from its buffer alone: every element must arrive
-                raise ValueError(f"transfers: packed {name} must be sent whole to worker {self.rank} "
-                                 f"({planned[name]} of {numel} elements planned)")
+        buffers = pull_buffers(job, live, getattr(self, "_meshrl_shadow", {}), f"worker {self.rank}")
         self._meshrl_pending = None
         result = job.run(buffers)
         self._meshrl_pending = Pending(job.sync_id, buffers, job.track, job.delta_base is not None, transposed)

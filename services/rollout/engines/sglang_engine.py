@@ -172,6 +172,11 @@ class SGLangEngine(WorkerPulls, ServerEngine):
         if self.config.weight_sync == "distributed":
             self._join_group()
         if self.in_workers:
+            # every DP replica's rank r would answer as TP rank r, and pipeline stages hold parts of the layers
+            for field in ("dp_size", "pp_size"):
+                if int(self.server_info.get(field) or 1) > 1:
+                    raise FieldError("engine.sglang.weight_sync", f"worker needs a server with {field} 1 (it has "
+                                     f"{self.server_info[field]}): run one server per replica, or use disk")
             body, command_id = self._worker_command("live", {})
             _request("POST", self.url + "/update_weights_from_tensor", body, self.config.control_timeout)
             self._register_workers(self._worker_results(command_id, "live"))

@@ -40,14 +40,26 @@ class RolloutEngineConfig(EngineConfig):
             raise FieldError("engine.kind", f"must be one of {', '.join(ENGINE_KINDS)}, got {self.kind!r}")
         if self.kind == "vllm_ascend":
             check_ascend_device(self.device)
-        if self.lora.enabled and self.kind != "embedded":
-            raise FieldError("engine.lora", f"LoRA adapters are merged by the embedded engine; the {self.kind} "
-                                            f"engine takes merged weights (trainer lora.sync: merged)")
+        if self.lora.enabled and not self._merges_adapters():
+            raise FieldError("engine.lora", f"LoRA adapters are merged by the embedded engine or inside the engine's "
+                                            f"workers (vllm.weight_path worker, sglang.weight_sync worker); this "
+                                            f"{self.kind} engine takes merged weights (trainer lora.sync: merged)")
         if self.record_routes and self.kind not in ("embedded", "vllm"):
             raise FieldError("engine.record_routes", f"routed experts are recorded by the embedded and vllm engines; "
                                                      f"the {self.kind} engine here does not return them")
 
+    def _merges_adapters(self) -> bool:
+        if self.kind in ("vllm", "vllm_ascend"):
+            return self.vllm.weight_updates and self.vllm.weight_path == "worker"
+        return self.kind == "embedded" or (self.kind == "sglang" and self.sglang.weight_sync == "worker")
+
     def build(self, run_dir: str = ""):
+        engine = self._build(run_dir)
+        if self.kind != "embedded" and self.lora.enabled:
+            engine.take_adapters(self.lora)
+        return engine
+
+    def _build(self, run_dir: str):
         common = dict(model_path=self.model_path, max_batch=self.max_batch, max_context=self.max_context,
                       dtype=self.dtype, seed=self.seed, version=self.initial_version, run_dir=run_dir)
         if self.kind == "vllm":

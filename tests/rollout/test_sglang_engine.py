@@ -97,6 +97,43 @@ def test_a_bad_config_names_the_field(field, value):
         SGLangConfig(**{field: value})
 
 
+def test_lora_adapters_go_to_engines_that_merge_them(tiny_qwen3):
+    """engine.lora: the embedded engine and worker-sync engines merge adapters; a staged engine is refused naming
+    the field. With two TP workers every worker takes every adapter whole and learns where its slices of the fused
+    parameters come from."""
+    from services.common.errors import FieldError
+    from services.rollout.config import RolloutEngineConfig
+    from services.rollout.engines.lora_merge import AdapterConfig
+    from services.rollout.engines.worker_pulls import adapter_layout, worker_shards
+    from services.weight_exchange.client.layouts.inference import InferenceParallel, inference_shards
+    from services.weight_exchange.client.layouts.model import model_spec
+
+    lora = AdapterConfig(r=4, alpha=8.0, target_modules=["q_proj", "down_proj"])
+    with pytest.raises(FieldError, match="engine.lora: .*sglang.weight_sync worker"):
+        RolloutEngineConfig(kind="sglang", model_path=str(tiny_qwen3), lora=lora)
+    from services.rollout.engines.sglang_engine import SGLangConfig
+
+    RolloutEngineConfig(kind="sglang", model_path=str(tiny_qwen3), lora=lora, sglang=SGLangConfig(weight_sync="worker"))
+
+    spec = model_spec(str(tiny_qwen3), "float32")
+    workers = [{"rank": r, "tp": 2, "tp_rank": r,
+                "params": [[s.local_name, list(s.local_shape), "float32", False]
+                           for s in {x.local_name: x for x in inference_shards(
+                               spec, InferenceParallel(engine="sglang", tp=2, tp_rank=r))}.values()]}
+               for r in range(2)]
+    full, _ = worker_shards(workers, str(tiny_qwen3), "float32", "sglang")
+    shards, shapes, plans = adapter_layout(workers, full, 4, lora.target_modules)
+    assert shapes["model.layers.0.self_attn.q_proj.lora_A.weight"] == [4, 128]
+    assert shapes["model.layers.0.mlp.down_proj.lora_B.weight"] == [128, 4]
+    assert len(shards) == 2 * len(shapes) and {s.local_name.split("/")[0] for s in shards} == {"w0", "w1"}
+    qkv = plans["1"]["model.layers.0.self_attn.qkv_proj.weight"]   # q, k and v rows of rank 1, from the checkpoint
+    assert sorted(entry[0].rsplit(".", 2)[-2] for entry in qkv) == ["k_proj", "q_proj", "v_proj"]
+    down = plans["1"]["model.layers.0.mlp.down_proj.weight"]      # row-parallel: rank 1 holds the second half of inputs
+    assert down == [["model.layers.0.mlp.down_proj.weight", [0, 192], [128, 192], [0, 0], [128, 192]]]
+    with pytest.raises(FieldError, match="engine.lora.target_modules"):
+        adapter_layout(workers, full, 4, ["c_attn"])
+
+
 def test_the_engine_kind_builds_an_sglang_engine(tiny_qwen3):
     from services.rollout.config import RolloutEngineConfig
     from services.rollout.engines.base import Engine
@@ -280,6 +317,50 @@ def test_each_tp_worker_pulls_its_own_shard_in_place(tiny_qwen3, tmp_path):
     assert seq.logprobs == pytest.approx(expected_logprobs(str(tiny_qwen3), seq, 0.0, {1: changed}), abs=1e-4)
     assert after.output_ids == seq.output_ids, "the abandoned update left the weights of version 1 whole"
     assert not list((tmp_path / "results").iterdir()), "every result read and removed"
+
+
+def test_lora_adapters_alone_travel_and_the_worker_merges_them(tiny_qwen3, tmp_path):
+    """trainer lora.sync adapter into SGLang's worker: the update moves the adapters' bytes only; the worker rebuilds
+    every parameter they touch (fused qkv_proj / gate_up_proj included) from the checkpoint's base plus
+    (B @ A) * alpha / r and generates what peft's merged model gives."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from services.rollout.engines.lora_merge import AdapterConfig
+    from services.trainer.lora import adapter_tensors
+    from services.weight_exchange.bench.local import engine_receiver, local_exchange
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_qwen3), dtype=torch.float32).eval()
+    peft_model = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    adapters = adapter_tensors(peft_model)
+    with torch.no_grad():
+        for name, t in adapters.items():
+            if ".lora_B." in name:
+                t.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    merged = copy.deepcopy(peft_model).merge_and_unload().state_dict()
+    changed = {n: merged[n] for n in merged if any(f".{t}." in n for t in targets)}
+    with double(str(tiny_qwen3), custom_loader=True) as url:
+        engine = engine_for(url, str(tiny_qwen3), weight_sync="worker", results_dir=str(tmp_path), control_timeout=60)
+        engine.take_adapters(AdapterConfig(r=4, alpha=8.0, target_modules=targets))
+        engine.start()
+        assert {s.local_name for s in engine.receiver_shards} == set(adapters)
+
+        async def run():
+            async with local_exchange(adapters, engine_receiver(engine)) as wx:
+                reply = await wx.update(1, transport="tcp")
+            seq = (await engine.generate(PROMPTS[1], Sampling(temperature=0.0, max_new_tokens=6)))[0]
+            return reply, seq
+
+        try:
+            reply, seq = asyncio.run(run())
+        finally:
+            engine.stop()
+    assert reply.bytes_moved == sum(t.numel() * 4 for t in adapters.values())
+    assert engine.last_update["in_place"] == 2 * 4   # per layer: qkv_proj, o_proj, gate_up_proj, down_proj
+    assert seq.logprobs == pytest.approx(expected_logprobs(str(tiny_qwen3), seq, 0.0, {1: changed}), abs=1e-4)
 
 
 def test_a_server_without_the_loader_is_named(tiny_qwen3, tmp_path):

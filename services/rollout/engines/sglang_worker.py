@@ -86,8 +86,18 @@ def _pull(model: torch.nn.Module, command: dict) -> dict:
     rank = int(command["tp_rank"])
     job = job_for(command["job"], rank)
     model._meshrl_pending = None
-    buffers = pull_buffers(job, live_tensors(model), {}, f"SGLang TP rank {rank}")
-    result = job.run(buffers)
+    raw = command["job"]
+    if "adapters" in raw:   # LoRA: pull the adapters, merge them into buffers of the parameters they touch
+        from services.rollout.engines.worker_adapters import CheckpointBase, pull_adapters
+
+        spec = raw["adapters"]
+        if getattr(model, "_meshrl_base", None) is None:
+            model._meshrl_base = CheckpointBase(spec["model_path"])
+        buffers, result = pull_adapters(job, {**spec, "plan": spec["plans"][str(rank)]}, live_tensors(model),
+                                        model._meshrl_base)
+    else:
+        buffers = pull_buffers(job, live_tensors(model), {}, f"SGLang TP rank {rank}")
+        result = job.run(buffers)
     model._meshrl_pending = (job.sync_id, buffers)
     return {"bytes_received": result.bytes_received, "bytes_full": result.bytes_full,
             "seconds": time.perf_counter() - started, "checksum": result.checksum, "tensors": len(buffers)}

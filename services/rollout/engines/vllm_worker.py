@@ -257,10 +257,20 @@ class WeightUpdateExtension:
         job = job_for(raw, int(self.rank))
         transposed = tuple(raw.get("transposed", ()))
         live = live_params(self.model_runner.get_model(), transposed)
-        buffers = pull_buffers(job, live, getattr(self, "_meshrl_shadow", {}), f"worker {self.rank}")
         self._meshrl_pending = None
-        result = job.run(buffers)
-        self._meshrl_pending = Pending(job.sync_id, buffers, job.track, job.delta_base is not None, transposed)
+        if "adapters" in raw:   # LoRA: pull the adapters, merge them into buffers of the parameters they touch
+            from services.rollout.engines.worker_adapters import CheckpointBase, pull_adapters
+
+            spec = raw["adapters"]
+            if getattr(self, "_meshrl_base", None) is None:
+                self._meshrl_base = CheckpointBase(spec["model_path"])
+            buffers, result = pull_adapters(job, {**spec, "plan": spec["plans"][str(self.rank)]}, live,
+                                            self._meshrl_base)
+            self._meshrl_pending = Pending(job.sync_id, buffers, False, False, transposed)
+        else:
+            buffers = pull_buffers(job, live, getattr(self, "_meshrl_shadow", {}), f"worker {self.rank}")
+            result = job.run(buffers)
+            self._meshrl_pending = Pending(job.sync_id, buffers, job.track, job.delta_base is not None, transposed)
         return json.dumps({"bytes_received": result.bytes_received, "bytes_full": result.bytes_full,
                            "seconds": time.perf_counter() - started, "checksum": result.checksum,
                            "tensors": len(buffers)})

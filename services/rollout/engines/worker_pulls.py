@@ -15,6 +15,8 @@ import dataclasses
 import json
 import time
 
+from services.common.errors import FieldError
+
 
 def worker_shards(workers: list[dict], model_path: str, dtype: str,
                   engine: str = "vllm") -> tuple[list, dict[str, int]]:
@@ -36,6 +38,38 @@ def worker_shards(workers: list[dict], model_path: str, dtype: str,
     return shards, parallel
 
 
+def adapter_layout(workers: list[dict], full: list, r: int, targets: list[str]) -> tuple[list, dict, dict]:
+    """For LoRA adapter syncs into the workers: (the receiver's shards: every adapter, whole, in every worker; the
+    adapters' shapes; per worker rank, where each canonical shard of every live parameter an adapter touches lives,
+    from `full`, the workers' full-model shards)."""
+    from services.weight_exchange.client.layout import Shard
+    from services.weight_exchange.client.regions import Region
+
+    wanted = set(targets)
+    adapted = {s.canonical_name: s.canonical_shape for s in full if len(s.canonical_shape) == 2
+               and s.canonical_name.endswith(".weight")
+               and s.canonical_name.removesuffix(".weight").rsplit(".", 1)[-1] in wanted}
+    if not adapted:
+        raise FieldError("engine.lora.target_modules", f"no linear weight of the model is named one of {sorted(wanted)}")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for canonical, (rows, cols) in sorted(adapted.items()):
+        module = canonical.removesuffix(".weight")
+        shapes |= {f"{module}.lora_A.weight": (r, cols), f"{module}.lora_B.weight": (rows, r)}
+    prefixes = [f"w{w['rank']}/" if len(workers) > 1 else "" for w in workers]
+    shards = [Shard(name, shape, "float32", Region.full(shape), prefix + name, shape, Region.full(shape))
+              for prefix in prefixes for name, shape in shapes.items()]
+    touched = {s.local_name for s in full if s.canonical_name in adapted}
+    plans: dict[str, dict[str, list]] = {str(w["rank"]): {} for w in workers}
+    for s in full:
+        if s.local_name in touched:
+            rank, local = (s.local_name[1:].split("/", 1) if len(workers) > 1 else (str(workers[0]["rank"]),
+                                                                                      s.local_name))
+            plans[rank].setdefault(local, []).append([s.canonical_name, list(s.canonical_region.offsets),
+                                                      list(s.canonical_region.sizes), list(s.local_region.offsets),
+                                                      list(s.local_region.sizes)])
+    return shards, {name: list(shape) for name, shape in shapes.items()}, plans
+
+
 class WorkerPulls:
     """Mixed into a ServerEngine whose workers pull their own shards."""
 
@@ -49,23 +83,37 @@ class WorkerPulls:
                                "which pull their own shards (weight_receiver_args)")
         return super().named_parameters()
 
-    def _init_worker_pulls(self) -> None:
+    def _init_worker_pulls(self, adapters=None) -> None:
+        self.adapters = adapters if adapters is not None and adapters.enabled else None   # engine.lora
+        self._adapter_spec: dict = {}
         self.workers: list[dict] = []           # what each worker reported at start
         self.receiver_shards: list | None = None
         self.receiver_parallel: dict[str, int] = {}
         self._pulled: tuple[int, dict] | None = None  # (version, details) committed into the workers, not resumed yet
         self.last_update: dict = {}             # the details of the last update taken (pull / commit seconds, bytes)
 
+    def take_adapters(self, adapters) -> None:
+        """engine.lora (before start): updates carry the trainer's LoRA adapters, which the workers merge."""
+        assert self.in_workers and not self.workers, "adapters are taken by a worker-sync engine before it starts"
+        self._init_worker_pulls(adapters)
+
     def _register_workers(self, workers: list[dict]) -> None:
         self.workers = workers
         self.receiver_shards, self.receiver_parallel = worker_shards(workers, self.model_path, self.dtype,
                                                                      self.layout_engine)
+        if self.adapters is not None:   # the workers receive the adapters and merge them themselves
+            a = self.adapters
+            self.receiver_shards, shapes, plans = adapter_layout(workers, self.receiver_shards, a.r,
+                                                                 list(a.target_modules))
+            self._adapter_spec = {"shapes": shapes, "plans": plans, "scale": a.alpha / a.r,
+                                  "model_path": self.model_path}
 
     def _holds_weights(self) -> bool:
         return self.stage is not None or self.receiver_shards is not None
 
     def _pull_body(self, job) -> dict:
-        return {**job.to_json(), "prefix_by_rank": len(self.workers) > 1}
+        return {**job.to_json(), "prefix_by_rank": len(self.workers) > 1,
+                **({"adapters": self._adapter_spec} if self.adapters is not None else {})}
 
     def _workers_receiver_args(self) -> dict:
         """Keyword arguments for the weight exchange's ReceiverAgent: the workers' shards and `pull`."""

@@ -88,13 +88,9 @@ def _pull(model: torch.nn.Module, command: dict) -> dict:
     model._meshrl_pending = None
     raw = command["job"]
     if "adapters" in raw:   # LoRA: pull the adapters, merge them into buffers of the parameters they touch
-        from services.rollout.engines.worker_adapters import CheckpointBase, pull_adapters
+        from services.rollout.engines.worker_adapters import pull_merged
 
-        spec = raw["adapters"]
-        if getattr(model, "_meshrl_base", None) is None:
-            model._meshrl_base = CheckpointBase(spec["model_path"])
-        buffers, result = pull_adapters(job, {**spec, "plan": spec["plans"][str(rank)]}, live_tensors(model),
-                                        model._meshrl_base)
+        buffers, result = pull_merged(model, job, raw["adapters"], rank, live_tensors(model))
     else:
         buffers = pull_buffers(job, live_tensors(model), {}, f"SGLang TP rank {rank}")
         result = job.run(buffers)

@@ -259,13 +259,9 @@ class WeightUpdateExtension:
         live = live_params(self.model_runner.get_model(), transposed)
         self._meshrl_pending = None
         if "adapters" in raw:   # LoRA: pull the adapters, merge them into buffers of the parameters they touch
-            from services.rollout.engines.worker_adapters import CheckpointBase, pull_adapters
+            from services.rollout.engines.worker_adapters import pull_merged
 
-            spec = raw["adapters"]
-            if getattr(self, "_meshrl_base", None) is None:
-                self._meshrl_base = CheckpointBase(spec["model_path"])
-            buffers, result = pull_adapters(job, {**spec, "plan": spec["plans"][str(self.rank)]}, live,
-                                            self._meshrl_base)
+            buffers, result = pull_merged(self, job, raw["adapters"], int(self.rank), live)
             self._meshrl_pending = Pending(job.sync_id, buffers, False, False, transposed)
         else:
             buffers = pull_buffers(job, live, getattr(self, "_meshrl_shadow", {}), f"worker {self.rank}")

@@ -84,3 +84,11 @@ def pull_adapters(job, spec: dict, live: dict, base: CheckpointBase) -> tuple[di
     adapters = {name: torch.empty(tuple(spec["shapes"][name]), dtype=torch.float32) for name in sorted(planned)}
     result = job.run(adapters)
     return merged_buffers(adapters, spec["plan"], float(spec["scale"]), base, live), result
+
+
+def pull_merged(holder, job, spec: dict, rank: int, live: dict) -> tuple[dict[str, torch.Tensor], object]:
+    """pull_adapters for worker `rank`, with the checkpoint's base kept on `holder` (the vLLM worker, SGLang's
+    model) across updates."""
+    if getattr(holder, "_meshrl_base", None) is None:
+        holder._meshrl_base = CheckpointBase(spec["model_path"])
+    return pull_adapters(job, {**spec, "plan": spec["plans"][str(rank)]}, live, holder._meshrl_base)

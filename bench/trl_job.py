@@ -5,7 +5,12 @@
 
 SETTINGS.json (written by trl_compare.trl_settings) names the exported data (JSONL rows: split, prompt, prompt_ids,
 answer), the model, the output directory and every matched hyperparameter. Writes `<out>/model` (the trained
-model and tokenizer) and `<out>/result.json` (timings and rewards); prints nothing on stdout.
+model and tokenizer), `<out>/checkpoints/step-N` every `checkpoint_every` steps (for the held-out curve) and
+`<out>/result.json` (timings and rewards); prints nothing on stdout.
+
+Times are Unix seconds, so the caller can line them up with the CPU it sampled: the window opens when the first
+generation starts and closes at the last optimizer step. Checkpoint writes are timed (wall and this process's CPU)
+so the caller can leave them out: TRL would not write them in a real run of this length.
 """
 
 from __future__ import annotations
@@ -99,19 +104,31 @@ def run_job(argv: list[str] | None = None) -> None:
             return self.lr_scheduler
 
     step_ends: list[float] = []
+    saves: list[dict] = []
+    every = s.get("checkpoint_every", 0)
 
     class StepClock(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step % updates_per_step == 0:
-                step_ends.append(time.perf_counter())
+            if state.global_step % updates_per_step:
+                return
+            step_ends.append(time.time())
+            step = len(step_ends)
+            if every and step % every == 0 and step < s["steps"]:  # the last step's model is `model`
+                wall, cpu = time.time(), time.process_time()
+                kwargs["model"].save_pretrained(str(out / "checkpoints" / f"step-{step}"))
+                saves.append({"step": step, "wall_seconds": time.time() - wall,
+                              "cpu_seconds": time.process_time() - cpu})
 
     trainer = MeshrlSchedule(model=model, reward_funcs=reward_func, args=config, train_dataset=dataset,
                              processing_class=tokenizer, callbacks=[StepClock()])
     generating = [0.0]
+    first_generation: list[float] = []
     sample = trainer._generate
 
     def timed_generate(prompts):
         started = time.perf_counter()
+        if not first_generation:
+            first_generation.append(time.time())
         try:
             return sample(prompts)
         finally:
@@ -125,9 +142,10 @@ def run_job(argv: list[str] | None = None) -> None:
     tokenizer.save_pretrained(str(out / "model"))
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     result = {"steps": len(step_ends), "samples": len(step_ends) * samples_per_step,
-              "train_seconds": train_seconds, "step_end_offsets": [t - started for t in step_ends],
-              "generation_seconds_total": generating[0], "reward_first": rewards[0] if rewards else None,
-              "reward_last": rewards[-1] if rewards else None, "model_dir": str(out / "model")}
+              "train_seconds": train_seconds, "window_start": first_generation[0], "step_ends": step_ends,
+              "saves": saves, "generation_seconds_total": generating[0],
+              "reward_first": rewards[0] if rewards else None, "reward_last": rewards[-1] if rewards else None,
+              "model_dir": str(out / "model")}
     (out / "result.json").write_text(json.dumps(result))
 
 

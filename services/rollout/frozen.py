@@ -34,8 +34,8 @@ class FrozenModelConfig:
             raise ValueError("gateway.sessions_enabled: a frozen model's calls must never reach training; keep it off")
 
 
-async def _refuse_export(traj: data_pb2.Trajectory) -> None:
-    raise AssertionError(f"a frozen model exported {traj.trajectory_id}: it has no sessions to export")
+async def _refuse_export(members: list[data_pb2.Trajectory]) -> None:
+    raise AssertionError(f"a frozen model exported {members[0].trajectory_id}: it has no sessions to export")
 
 
 def build_app(config: FrozenModelConfig):

@@ -312,8 +312,8 @@ async def _serve_gateway(config: RolloutConfig, engine: Engine, bus: Bus, stop: 
 
     tokenizer = AutoTokenizer.from_pretrained(config.engine.model_path)
 
-    async def publish(traj: data_pb2.Trajectory) -> None:  # a graded session's go through the reward service
-        await trajectory_groups.publish(bus, SUBJECT_TRAJ_SCORED if traj.scored else SUBJECT_TRAJ_RAW, [traj])
+    async def publish(members: list[data_pb2.Trajectory]) -> None:  # a graded session's go through the reward service
+        await trajectory_groups.publish(bus, SUBJECT_TRAJ_SCORED if members[0].scored else SUBJECT_TRAJ_RAW, members)
 
     budget = GroupBudget()
     reward = None

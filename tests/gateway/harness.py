@@ -29,6 +29,7 @@ class GatewayServer:
         self.engine = engine
         self.tokenizer = tokenizer
         self.published: list[data_pb2.Trajectory] = []
+        self.messages: list[list[str]] = []  # each publish: its members' trajectory ids
         self.publish_fails = 0               # the next N publishes raise (a bus outage)
         self.max_payload = 0                 # > 0: a trajectory over this many bytes is refused as the bus does
         self.hold_publish = threading.Event()  # set: publishes wait (a slow bus) until it is cleared (at most 60 s)
@@ -45,19 +46,21 @@ class GatewayServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.config.port}"
 
-    async def _publish(self, traj: data_pb2.Trajectory) -> None:
+    async def _publish(self, members: list[data_pb2.Trajectory]) -> None:
         deadline = time.monotonic() + 60
         while self.hold_publish.is_set():
             if time.monotonic() > deadline:
                 raise TimeoutError("publish held for 60 s")
             await asyncio.sleep(0.01)
-        if self.max_payload and traj.ByteSize() > self.max_payload:
-            raise PayloadTooLarge(f"meshrl.v1.Trajectory {traj.trajectory_id}: {traj.ByteSize()} bytes is over the "
-                                  f"server's max_payload {self.max_payload}")
+        for traj in members:
+            if self.max_payload and traj.ByteSize() > self.max_payload:
+                raise PayloadTooLarge(f"meshrl.v1.Trajectory {traj.trajectory_id}: {traj.ByteSize()} bytes is over "
+                                      f"the server's max_payload {self.max_payload}")
         if self.publish_fails > 0:
             self.publish_fails -= 1
             raise ConnectionError("bus unavailable")
-        self.published.append(traj)
+        self.messages.append([t.trajectory_id for t in members])
+        self.published.extend(members)
 
     def _serve(self) -> None:
         async def main() -> None:

@@ -82,10 +82,10 @@ def test_an_export_over_max_trajectory_bytes_is_413_before_it_reaches_the_bus(se
 async def test_the_outbox_drops_a_permanent_failure_and_publishes_the_rest():
     published = []
 
-    async def publish(traj: data_pb2.Trajectory) -> None:
-        if traj.trajectory_id == "bad":
+    async def publish(members: list[data_pb2.Trajectory]) -> None:
+        if any(t.trajectory_id == "bad" for t in members):
             raise ValueError("refused for good")
-        published.append(traj.trajectory_id)
+        published.extend(t.trajectory_id for t in members)
 
     outbox = Outbox(publish, retry_s=30.0)  # a retry of the bad one would outlast the test's deadline
     outbox.start()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import msgpack
 import pytest
@@ -12,6 +13,7 @@ from openai import OpenAI
 from services.common import trajectory_groups
 from services.common.bus import SUBJECT_TRAJ_SCORED, Bus
 from services.common.contracts import data_pb2
+from services.rollout.gateway import GatewayConfig
 from tests.gateway.harness import GatewayServer
 from tests.gateway.policies import calculator_replies, scripted_engine
 
@@ -39,6 +41,32 @@ def test_group_sessions_share_a_group_and_export_one_trajectory_each(scripted_gw
     assert {t.task_id for t in trajs} == {"grpo-task"}
     meta = msgpack.unpackb(trajs[1].metadata)
     assert meta["agent"] == {"agent": "test"} and meta["group_index"] == 1 and meta["session_id"] == g["sessions"][1]["session_id"]
+
+
+def test_group_sessions_that_end_together_travel_as_one_message(tok):
+    gw = GatewayServer(scripted_engine(tok, calculator_replies), tok, publish_linger_s=1.0).start()
+    try:
+        one_message_for_a_group_ending_together(gw)
+    finally:
+        gw.stop()
+    with pytest.raises(ValueError, match="publish_linger_s"):
+        GatewayConfig(admin_key="test-admin-key-0123456789", publish_linger_s=-0.1)
+
+
+def one_message_for_a_group_ending_together(scripted_gw: GatewayServer) -> None:
+    g = scripted_gw.start_session(task_id="grpo-task", group_size=4)
+    keys = [s["api_key"] for s in g["sessions"]]
+    for key in keys:
+        chat(scripted_gw, key)
+    alone = scripted_gw.session_post(keys[0], "/rl/end_session")  # ends before the others: waits, then goes alone
+    assert alone.status_code == 200 and alone.json()["published"] and len(scripted_gw.messages) == 1
+    with ThreadPoolExecutor(3) as pool:  # the other three end at the same moment (within the 1 s linger)
+        ended = list(pool.map(lambda key: scripted_gw.session_post(key, "/rl/end_session"), keys[1:]))
+    assert all(r.status_code == 200 and r.json()["published"] for r in ended)
+    trajs = [t for s in g["sessions"] for t in published_for(scripted_gw, s["session_id"])]
+    assert len(trajs) == 4 and {t.group_id for t in trajs} == {g["group_id"]}
+    assert [len(m) for m in scripted_gw.messages] == [1, 3]
+    assert scripted_gw.gateway.outbox.messages == 2 and scripted_gw.gateway.outbox.published == 4
 
 
 def test_starting_again_with_the_same_key_ends_the_previous_session(scripted_gw):
@@ -123,10 +151,10 @@ def test_trajectories_reach_jetstream(nats_server, tok):
     """publish -> traj.scored on a real nats-server, as the rollout service wires it."""
     holder: dict = {}
 
-    async def publish(traj: data_pb2.Trajectory) -> None:
+    async def publish(members: list[data_pb2.Trajectory]) -> None:
         if "bus" not in holder:
             holder["bus"] = await Bus.connect(nats_server.url, name="gateway-test")
-        await holder["bus"].publish(SUBJECT_TRAJ_SCORED, traj, traj.trajectory_id)
+        await trajectory_groups.publish(holder["bus"], SUBJECT_TRAJ_SCORED, members)  # as the rollout service does
 
     gw = GatewayServer(scripted_engine(tok, calculator_replies), tok)
     gw.app.state.gateway.outbox._publish = publish

@@ -65,6 +65,8 @@ class GatewayConfig:
     reap_interval_s: float = 10.0
     max_sessions: int = 4096                    # active sessions; start_session beyond this is 429
     publish_timeout_s: float = 10.0             # end_session waits this long for the bus to confirm the export, then 503
+    publish_linger_s: float = 0.02              # an ended session of a larger group waits this long for its group-mates
+                                                # to end, so they travel as one message (0: never waits)
     max_abs_reward: float = 1e6                 # set_reward and every exported (summed) reward stay within +-this
     max_trajectory_bytes: int = 0               # serialised trajectory over this: end_session 413 (0: the bus's own limit)
     replay_ttl_s: float = 600.0                 # how long a finished request can be replayed to an SDK retry
@@ -107,6 +109,9 @@ class GatewayConfig:
         if not 0.0 < self.max_abs_reward <= FLOAT32_MAX:
             raise FieldError("max_abs_reward", f"must be in (0, {FLOAT32_MAX:.8g}] (rewards travel as float32), "
                              f"got {self.max_abs_reward}")
+        if not 0.0 <= self.publish_linger_s <= self.publish_timeout_s:
+            raise FieldError("publish_linger_s", f"must be in [0, publish_timeout_s = {self.publish_timeout_s}], "
+                             f"got {self.publish_linger_s}")
         if self.max_trajectory_bytes < 0:
             raise FieldError("max_trajectory_bytes", f"must be >= 0 (0: the bus's limit), got {self.max_trajectory_bytes}")
         if self.max_body_bytes < 1024:

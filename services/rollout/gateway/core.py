@@ -66,7 +66,7 @@ class Gateway:
         self.sessions = SessionStore(config.max_sessions)
         self.replays = ReplayCache(config.replay_ttl_s, config.replay_max_entries)
         self.idempotency = IdempotencyCache(config.idempotency_ttl_s, config.idempotency_max_entries)
-        self.outbox = Outbox(publish, max_pending=config.max_pending_publish)
+        self.outbox = Outbox(publish, max_pending=config.max_pending_publish, linger_s=config.publish_linger_s)
         self.offload = Offload(workers=config.heavy_concurrency, queue=config.heavy_queue,
                                threshold=config.offload_bytes, retry_after_s=config.retry_after_s)
         self.recorded_tokens = 0   # prompt + completion ids held by active sessions' interactions

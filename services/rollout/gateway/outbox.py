@@ -2,6 +2,11 @@
 idempotent), permanent ones are dropped with a logged reason and a metric, so one bad trajectory never holds
 up the ones behind it.
 
+Sessions of one group that end together go out as one message (one publish, one delivery per hop downstream):
+what is queued when the outbox turns to it is published group by group, and a member of a larger group waits
+`linger_s` first for its group-mates. A group message refused for good is retried member by member, so only the
+bad member is dropped.
+
 At most `max_pending` wait (the bus may be down for long): `has_room` tells the caller before it exports, so an
 end_session that finds the outbox full is refused (429) with its session left as it was, never dropped.
 Each trajectory's future resolves: True once published; the permanent error once dropped; `OutboxClosed` when the
@@ -18,7 +23,8 @@ from services.common.contracts import data_pb2
 from services.common.logging import get_logger
 from services.rollout.gateway import metrics
 
-Publish = Callable[[data_pb2.Trajectory], Awaitable[None]]
+Publish = Callable[[list[data_pb2.Trajectory]], Awaitable[None]]  # members of one group (and one subject)
+Queued = tuple[data_pb2.Trajectory, asyncio.Future]
 
 
 class OutboxClosed(RuntimeError):
@@ -33,15 +39,17 @@ def is_permanent(exc: BaseException) -> bool:
 
 class Outbox:
     def __init__(self, publish: Publish, *, retry_s: float = 0.5, max_retry_s: float = 10.0,
-                 max_pending: int = 65536) -> None:
+                 max_pending: int = 65536, linger_s: float = 0.0) -> None:
         self._publish = publish
         self.max_pending = max_pending
+        self._linger_s = linger_s
         self._retry_s = retry_s
         self._max_retry_s = max_retry_s
-        self._queue: asyncio.Queue[tuple[data_pb2.Trajectory, asyncio.Future]] = asyncio.Queue()
+        self._queue: asyncio.Queue[Queued] = asyncio.Queue()
         self._unresolved: set[asyncio.Future] = set()
         self._task: asyncio.Task | None = None
         self.published = 0
+        self.messages = 0   # publishes that succeeded (a group's members share one)
         self.failures = 0   # failed attempts (each transient one is retried)
         self.dropped = 0    # trajectories refused for good
         self.pending = 0    # queued or being published (retried), not yet published
@@ -86,8 +94,24 @@ class Outbox:
 
     async def _run(self) -> None:
         while True:
-            traj, fut = await self._queue.get()
-            error = await self._deliver(traj)
+            queued = [await self._queue.get()]
+            if self._linger_s and queued[0][0].group_size > 1:
+                await asyncio.sleep(self._linger_s)  # its group-mates ending now join the same message
+            while not self._queue.empty():
+                queued.append(self._queue.get_nowait())
+            for members in by_group(queued):
+                await self._send(members)
+            for _ in queued:
+                self._queue.task_done()
+
+    async def _send(self, members: list[Queued]) -> None:
+        """Publish one group's members together; refused for good, each alone (only the bad one is dropped)."""
+        error = await self._deliver([traj for traj, _ in members])
+        if error is not None and len(members) > 1:
+            for member in members:
+                await self._send([member])
+            return
+        for traj, fut in members:
             self.pending -= 1
             self._unresolved.discard(fut)
             if error is None:
@@ -98,14 +122,14 @@ class Outbox:
                 self._drop(traj, error)
                 if not fut.done():
                     fut.set_exception(error)
-            self._queue.task_done()
+        self.messages += error is None
 
-    async def _deliver(self, traj: data_pb2.Trajectory) -> Exception | None:
+    async def _deliver(self, trajectories: list[data_pb2.Trajectory]) -> Exception | None:
         """Publish, retrying transient failures; None once published, else the permanent error."""
         delay = self._retry_s
         while True:
             try:
-                await self._publish(traj)
+                await self._publish(trajectories)
                 return None
             except asyncio.CancelledError:
                 raise
@@ -113,8 +137,9 @@ class Outbox:
                 self.failures += 1
                 if is_permanent(exc):
                     return exc
-                # the bus is down or slow: keep the trajectory and retry
-                get_logger().warning("gateway_publish_failed", trajectory_id=traj.trajectory_id, error=str(exc))
+                # the bus is down or slow: keep the trajectories and retry
+                get_logger().warning("gateway_publish_failed", group_id=trajectories[0].group_id,
+                                     trajectories=len(trajectories), error=str(exc))
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self._max_retry_s)
 
@@ -123,3 +148,11 @@ class Outbox:
         metrics.DROPPED.labels(type(error).__name__).inc()
         get_logger().error("gateway_trajectory_dropped", trajectory_id=traj.trajectory_id, group_id=traj.group_id,
                            bytes=traj.ByteSize(), reason=str(error))
+
+
+def by_group(queued: list[Queued]) -> list[list[Queued]]:
+    """The queued trajectories as one list per (group, graded or not: the subject), in the order each first came."""
+    groups: dict[tuple[str, bool], list[Queued]] = {}
+    for item in queued:
+        groups.setdefault((item[0].group_id, item[0].scored), []).append(item)
+    return list(groups.values())

@@ -56,7 +56,7 @@ RATIO_FIELDS = ("case", "job", "cores", "pairs", "trl_setting", "target_accuracy
 RUN_TIMEOUT_S = 4 * 3600.0  # one system's whole run (the smollm2 jobs on a CPU take well over an hour)
 
 
-def job_plan(job: str, steps: int, *, points: int = 6) -> RunConfig:
+def job_plan(job: str, steps: int, *, points: int = 10) -> RunConfig:
     """The job's run config with `steps` steps (0: the job's default), evaluated by the builder only before and
     after, and a kept checkpoint every steps // `points` steps for the held-out curve."""
     if job not in JOBS:
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=0, help="steps of both systems (0: the job's default)")
     parser.add_argument("--pairs", type=int, default=3, help="alternating meshrl / TRL pairs per core count")
     parser.add_argument("--cores", default="2", help="comma-separated core counts, e.g. 1,2")
-    parser.add_argument("--points", type=int, default=6, help="checkpoints on each held-out curve")
+    parser.add_argument("--points", type=int, default=10, help="checkpoints on each held-out curve")
     parser.add_argument("--trl-grad-ckpt", choices=("on", "off"), default="off",
                         help="TRL's gradient checkpointing in the pairs (off: its faster setting here)")
     parser.add_argument("--extras", default="", help=f"comma-separated, once per core count: {', '.join(EXTRAS)}")

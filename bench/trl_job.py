@@ -115,7 +115,9 @@ def run_job(argv: list[str] | None = None) -> None:
             step = len(step_ends)
             if every and step % every == 0 and step < s["steps"]:  # the last step's model is `model`
                 wall, cpu = time.time(), time.process_time()
-                kwargs["model"].save_pretrained(str(out / "checkpoints" / f"step-{step}"))
+                path = str(out / "checkpoints" / f"step-{step}")
+                kwargs["model"].save_pretrained(path)
+                tokenizer.save_pretrained(path)  # the evaluator reads it from the model's directory
                 saves.append({"step": step, "wall_seconds": time.time() - wall,
                               "cpu_seconds": time.process_time() - cpu})
 

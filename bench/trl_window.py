@@ -177,5 +177,5 @@ def median_spread(values: list[float | None]) -> tuple[float | None, list[float 
         return None, [None, None]
     ordered = sorted(float("inf") if v is None else v for v in values)
     mid = statistics.median(ordered)
-    show = [None if v == float("inf") else round(v, 3) for v in (ordered[0], ordered[-1])]
-    return (None if mid == float("inf") else round(mid, 3)), show
+    show = [None if v == float("inf") else round(v, 4) for v in (ordered[0], ordered[-1])]
+    return (None if mid == float("inf") else round(mid, 4)), show

@@ -83,7 +83,7 @@ def test_trl_settings_are_the_run_configs():
     assert (s["max_new_tokens"], s["lr"], s["betas"], s["schedule"], s["warmup_updates"]) == \
         (8, 0.0005, [0.9, 0.99], "linear", 10)
     assert (s["eps_clip"], s["loss_type"], s["dtype"], s["temperature"]) == (0.2, "dapo", "float32", 1.0)
-    assert s["checkpoint_every"] == 5 == checkpoint_every(job_plan("tiny", 30))  # 30 steps // 6 points
+    assert s["checkpoint_every"] == 3 == checkpoint_every(job_plan("tiny", 30))  # 30 steps // 10 points
     s = trl_settings(job_plan("smollm2", 4), seed=0, model_dir="m", data="d", out="o", grad_ckpt=False, threads=0)
     builder = job_plan("smollm2", 0).services.builder  # the config's own batch, not a copy of it here
     assert (s["steps"], s["batch_size"], s["group_size"], s["minibatches"], s["max_new_tokens"]) == \

@@ -465,6 +465,7 @@ async def test_two_tensor_parallel_workers_each_pull_their_shard(tmp_path, tiny_
         e.stop()
 
 
+@pytest.mark.full
 @server_test
 async def test_the_stage_path_prepacks_a_moe_models_experts_again(tmp_path):
     """vLLM's in-place reload copies a MoE layer's new experts in plain and skips the CPU kernel's prepack: without

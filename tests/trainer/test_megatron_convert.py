@@ -102,7 +102,7 @@ def test_live_megatron_ranks(tmp_path, model, side):
     run_ranks(tmp_path, model, side)
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("model,side", [
     ("tiny-qwen3", "megatron:pp=2"),                          # tied embeddings across stages
     ("tiny-qwen2", "megatron:tp=2"),                          # qkv bias, untied

@@ -29,6 +29,7 @@ NEW_TOKENS = 6
 CASES = {"embedded<-tp=2": ("embedded", {"tp": 2}, 0),
          "vllm<-moe:ep=2,dp=2": ("vllm", {"ep": 2}, 4),
          "vllm<-moe:tp=2,ep=2,etp=1": ("vllm", {"tp": 2, "ep": 2, "etp": 1}, 4)}
+FULL_ONLY = {"vllm<-moe:ep=2,dp=2"}  # make test-full: tp=2 x ep=2 already covers expert parallel into vLLM
 
 
 def make_model(path: pathlib.Path, experts: int) -> str:
@@ -114,8 +115,8 @@ def rank_main(rank: int, store: str, model_dir: str, sizes: dict, batch_file: st
     leave_cpu_group()
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.vllm] if CASES[c][0] == "vllm" else [])
-                                  for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.vllm] * (CASES[c][0] == "vllm")
+                                               + [pytest.mark.full] * (c in FULL_ONLY)) for c in CASES])
 async def test_megatron_ranks_sync_into_a_live_engine_as_its_exported_checkpoint(case, tmp_path):
     from services.weight_exchange.bench.local import engine_receiver, exchange_service, hosted_receiver
 

@@ -7,6 +7,7 @@ import os
 import pathlib
 
 PROC = pathlib.Path("/proc")
+CPU_LOG = "cpu_steps.jsonl"  # in the run directory: one line per trained step (launcher.watch.sample_cpu)
 TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -46,3 +47,42 @@ def tree_cpu_seconds(pids: dict[str, int]) -> dict[str, float] | None:
                 todo.extend(children.get(pid, []))
         out[name] = round(total, 2)
     return out
+
+
+# which part of the system a process belongs to: the message plane is what moves and scores data between the
+# engine and the trainer (reward, builder, NATS); the rollout's own publishing is inside "rollout"
+ROLES = {"trainer": "trainer", "rollout": "rollout", "reward": "message plane", "builder": "message plane",
+         "weight_exchange": "weight exchange"}
+
+
+def role_of(process: str) -> str:
+    if process.startswith("trainer-rank"):
+        return "trainer"
+    if process.startswith("nats"):
+        return "message plane"
+    return ROLES.get(process, process)
+
+
+def per_step(samples: list[dict]) -> list[dict]:
+    """CPU-seconds each process spent between consecutive samples ({"version", "cpu": {process: cumulative}}, one
+    per trained step), as {"version", "cpu": {process: seconds}}. A process whose total went down was restarted: its
+    new total is what it spent. The first sample's totals include start-up and are not a step's."""
+    out = []
+    for before, after in zip(samples, samples[1:], strict=False):
+        spent = {}
+        for name, total in after["cpu"].items():
+            previous = before["cpu"].get(name, 0.0)
+            spent[name] = round(total - previous if total >= previous else total, 3)
+        out.append({"version": after["version"], "cpu": spent})
+    return out
+
+
+def shares(steps: list[dict]) -> dict:
+    """Mean CPU-seconds per step by role, and each role's share of all of it."""
+    totals: dict[str, float] = {}
+    for step in steps:
+        for name, seconds in step["cpu"].items():
+            totals[role_of(name)] = totals.get(role_of(name), 0.0) + seconds
+    whole = sum(totals.values())
+    return {"cpu_seconds_per_step": {r: round(s / len(steps), 3) for r, s in sorted(totals.items())} if steps else {},
+            "cpu_share": {r: round(s / whole, 3) for r, s in sorted(totals.items())} if whole else {}}

@@ -7,6 +7,7 @@ connection here reconnects (to any server of a cluster) and the ordered consumer
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import time
 from typing import TextIO
@@ -15,6 +16,7 @@ import nats
 from nats.js.api import DeliverPolicy
 from tqdm import tqdm
 
+from launcher.cpu import CPU_LOG
 from launcher.report import EventLog
 from services.common.contracts import data_pb2
 
@@ -33,9 +35,13 @@ async def watch_run(stack, events: EventLog, *, total_steps: int, timeout: float
     started = time.time()
     bar = ProgressBar(total_steps, enabled=progress)
 
+    cpu_log = events.path.parent / CPU_LOG
+
     async def on_event(msg) -> None:
         event = data_pb2.VersionEvent.FromString(msg.data)
         events.add(event)
+        if event.kind == data_pb2.VERSION_KIND_TRAINED:
+            sample_cpu(stack, event.version, cpu_log)
         bar.update(events, time.time() - started, restarts=_restarts(stack))
         if event.kind == data_pb2.VERSION_KIND_RUN_END:
             done.set()
@@ -69,6 +75,15 @@ async def watch_run(stack, events: EventLog, *, total_steps: int, timeout: float
         except Exception:  # NATS may be down at this moment; the connection goes anyway
             pass
         await nc.close()
+
+
+def sample_cpu(stack, version: int, path) -> None:
+    """One line of CPU-seconds so far per process (cumulative, children included) at a trained step: what each
+    step cost each process is the difference of two lines (launcher.cpu.per_step)."""
+    cpu = stack.cpu_seconds() if hasattr(stack, "cpu_seconds") else None  # a remote stack's are not ours to read
+    if cpu:
+        with open(path, "a") as f:
+            f.write(json.dumps({"version": version, "at": time.time(), "cpu": cpu}) + "\n")
 
 
 def _restarts(stack) -> int:

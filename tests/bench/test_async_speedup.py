@@ -46,6 +46,26 @@ def test_phase_report_joins_the_rollout_lines_draws_the_plot_and_names_the_bottl
     assert summary["bottleneck"] == "rollout"
 
 
+def test_the_report_splits_each_steps_cpu_by_process_and_role(tmp_path):
+    """The launcher's cumulative samples at each trained step become CPU-seconds per step per process (a restarted
+    process counts from zero), their roles' means and shares in the summary, and a third panel of phases.png."""
+    samples = [{"version": 1, "cpu": {"trainer": 10.0, "rollout": 8.0, "reward": 2.0, "nats": 1.0}},
+               {"version": 2, "cpu": {"trainer": 11.0, "rollout": 8.5, "reward": 2.25, "nats": 1.25}},
+               {"version": 3, "cpu": {"trainer": 12.0, "rollout": 9.0, "reward": 0.5, "nats": 1.5,
+                                      "trainer-rank1": 1.0}}]   # the reward service restarted; a rank appeared
+    (tmp_path / "cpu_steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples) + '{"cut')
+    events = Events(tmp_path / "metrics.jsonl", [trained(1, 10.0), trained(2, 11.0), trained(3, 12.0)])
+    without = (tmp_path / "without")
+    without.mkdir()
+    plain = phase_report(Events(without / "metrics.jsonl", events.records), without, title="test")
+    summary = phase_report(events, tmp_path, title="test")
+    # message plane: 0.25 + 0.25, then 0.5 (restarted: all of its new total) + 0.25; trainer: 1, then 1 + 1
+    assert summary["cpu_seconds_per_step"] == {"message plane": 0.625, "rollout": 0.5, "trainer": 1.5}
+    assert summary["cpu_share"] == {"message plane": 0.238, "rollout": 0.19, "trainer": 0.571}
+    assert "cpu_share" not in plain, "no samples (a remote stack): no CPU split"
+    assert (tmp_path / "phases.png").stat().st_size > (without / "phases.png").stat().st_size
+
+
 def test_pin_puts_rollout_and_trainer_on_a_cpu_each_and_the_others_where_asked(monkeypatch):
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:

@@ -10,19 +10,19 @@ import time
 import pytest
 
 from bench.gateway import Agent
-from bench.trl_compare import run_measured
+from bench.trl_window import run_measured
 
 
 def test_a_measured_run_past_its_timeout_is_stopped_and_named():
     started = time.monotonic()
     with pytest.raises(RuntimeError, match=r"did not finish within 1s \(stopped"):
-        run_measured([sys.executable, "-c", "import time; time.sleep(120)"], timeout=1.0)
+        run_measured([sys.executable, "-c", "import time; time.sleep(120)"], cpus=None, timeout=1.0)
     assert time.monotonic() - started < 30
 
 
 def test_a_measured_run_that_finishes_is_timed():
-    seconds, peak = run_measured([sys.executable, "-c", "pass"], timeout=120.0)
-    assert 0 < seconds < 120 and peak >= 0
+    measured = run_measured([sys.executable, "-c", "pass"], cpus=None, timeout=120.0)
+    assert 0 < measured.seconds < 120 and measured.peak_rss_bytes >= 0
 
 
 async def test_an_agent_case_that_gets_no_answer_fails_within_the_agents_timeout():

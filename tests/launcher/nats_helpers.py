@@ -11,8 +11,9 @@ async def quiet(*_args) -> None:
     return None
 
 
-async def retry(make, timeout: float = 15.0):
-    """Call `make()` until it succeeds (a leader election or a client reconnect takes a few seconds)."""
+async def retry(make, timeout: float = 45.0):
+    """Call `make()` until it succeeds (a leader election or a client reconnect takes a few seconds; in the full
+    suite on 2 cores one publish after a leader's death once took more than 15 s)."""
     deadline = time.monotonic() + timeout
     while True:
         try:

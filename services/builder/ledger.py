@@ -1,20 +1,23 @@
 """The builder's durable records in a JetStream key-value bucket, so a builder restarted anywhere (another
 node, another pod) continues where the last one stopped.
 
-Keys: `issued` (train groups issued so far; group n is `g-<n>`, the n-th task of the seeded train stream;
-written before the work is published, so a restarted builder publishes the last one again),
-`refills` (how many of them were issued in the place of a group dynamic sampling filtered),
-`dropped.<group_id>` (a group that will never be trained, with its reason), `eval.<round_id>` (an eval round
-that was issued), `batch.<index>` (a batch published: its groups and trajectory count). BATCHES also holds the
+Keys: `issued` (train groups issued so far, group n being `g-<n>`, the n-th task of the seeded train stream; how
+many of them were refills, issued in the place of a group dynamic sampling filtered; and where the last chunk of
+issues began: written before the chunk's works are published, so a restarted builder publishes that chunk again),
+`drops.<id>` (groups that will never be trained, with their reasons: the drops that came while the previous record
+was being written go into one record, a group commit), `eval.<round_id>` (an eval round that was issued),
+`batch.<index>` (a batch published: its groups and trajectory count). Older builders wrote `refills` and
+`dropped.<group_id>` (one group each), still read. BATCHES also holds the
 batches, but under limits (age, bytes) it loses the oldest, so it only fills in the ledger (a batch published
 just before a crash, before its record); versions come from replaying EVENTS.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
-import re
+import uuid
 
 import nats.js.errors
 from nats.js.api import KeyValueConfig
@@ -22,7 +25,6 @@ from nats.js.api import KeyValueConfig
 from services.common.bus import LEDGER_SHARE, Bus, retry
 
 BUCKET = "meshrl_builder"
-_KEY_UNSAFE = re.compile(r"[^-/_=a-zA-Z0-9]")  # the value keeps the exact group id
 NO_VARIANCE = "no_reward_variance"  # the reason of a group dynamic sampling filtered
 
 
@@ -53,6 +55,7 @@ class Batched:
 class LedgerState:
     issued: int = 0
     refills: int = 0
+    chunk_start: int = 0   # the first group of the last chunk counted as issued (published, or maybe not)
     dropped: dict[str, Dropped] = dataclasses.field(default_factory=dict)
     evals: dict[int, IssuedEval] = dataclasses.field(default_factory=dict)
     batches: dict[int, Batched] = dataclasses.field(default_factory=dict)
@@ -71,6 +74,8 @@ class Ledger:
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
         self.kv = None
+        self._drops: list[tuple[Dropped, asyncio.Future]] = []   # waiting for the next drops record
+        self._writing_drops: asyncio.Task | None = None
 
     async def open(self) -> None:
         async def open_kv():
@@ -91,10 +96,16 @@ class Ledger:
         for key in await retry(self._keys, what="ledger keys"):
             value = await retry(lambda key=key: self.kv.get(key), what=f"ledger {key}")
             record = json.loads(value.value)
-            if key == "issued":
+            if key == "issued" and isinstance(record, dict):
+                state.issued, state.chunk_start = int(record["issued"]), int(record["chunk_start"])
+                state.refills = max(state.refills, int(record["refills"]))
+            elif key == "issued":    # an older builder's: the count alone, its last group the chunk
                 state.issued = int(record)
+                state.chunk_start = max(0, state.issued - 1)
             elif key == "refills":
-                state.refills = int(record)
+                state.refills = max(state.refills, int(record))
+            elif key.startswith("drops."):
+                state.dropped.update((d["group_id"], Dropped(**d)) for d in record)
             elif key.startswith("dropped."):
                 state.dropped[record["group_id"]] = Dropped(**record)
             elif key.startswith("eval."):
@@ -108,14 +119,38 @@ class Ledger:
         prefix = f"$KV.{BUCKET}."
         return [s.removeprefix(prefix) for s in await self.bus.stream_subjects(f"KV_{BUCKET}", prefix + ">")]
 
-    async def set_issued(self, n: int) -> None:
-        await self._put("issued", n)
-
-    async def set_refills(self, n: int) -> None:
-        await self._put("refills", n)
+    async def set_issued(self, n: int, refills: int, chunk_start: int | None = None) -> None:
+        """`n` groups issued, `refills` of them refills; `chunk_start` (default: the last one) is where the
+        chunk whose works are about to be published begins."""
+        start = n - 1 if chunk_start is None else chunk_start
+        assert 0 <= start <= n, (start, n)
+        await self._put("issued", {"issued": n, "refills": refills, "chunk_start": max(0, start)})
 
     async def add_dropped(self, dropped: Dropped) -> None:
-        await self._put("dropped." + _KEY_UNSAFE.sub("_", dropped.group_id), dataclasses.asdict(dropped))
+        """Returns once the drop is durable. Drops that come while a record is being written wait for it and
+        go together into the next one: one write per burst of filtered groups instead of one per group."""
+        done = asyncio.get_running_loop().create_future()
+        self._drops.append((dropped, done))
+        if self._writing_drops is None or self._writing_drops.done():
+            self._writing_drops = asyncio.create_task(self._write_drops(), name="ledger-drops")
+        await asyncio.shield(done)   # a cancelled caller leaves the record to be written for the others
+
+    async def _write_drops(self) -> None:
+        while self._drops:
+            await asyncio.sleep(0)   # the drops of handlers running on this tick join the record
+            taken, self._drops = self._drops, []
+            try:
+                await self._put(f"drops.{uuid.uuid4().hex}", [dataclasses.asdict(d) for d, _ in taken])
+            except BaseException as exc:   # every caller in the record gets the failure, to retry its own way
+                for _, done in taken:
+                    if not done.done():
+                        done.set_exception(exc if isinstance(exc, Exception) else RuntimeError("ledger closed"))
+                if not isinstance(exc, Exception):
+                    raise
+                continue
+            for _, done in taken:
+                if not done.done():
+                    done.set_result(None)
 
     async def add_batch(self, batch: Batched) -> None:
         await self._put(f"batch.{batch.index}", dataclasses.asdict(batch))

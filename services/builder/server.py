@@ -61,6 +61,7 @@ from services.common.steps import check_step_rewards
 # batches under the older one's version are never read again, and their blobs go (keeping more checkpoints than
 # this and losing the two newest would find those batches' blobs gone: the trainer skips them, dead-lettered)
 CHECKPOINTS_KEPT = 2
+ISSUE_CHUNK = 64   # train groups counted in one ledger write and published together, at most
 ISSUED = prometheus_client.Counter("meshrl_builder_groups_issued_total", "Prompt groups issued")
 BATCHES = prometheus_client.Counter("meshrl_builder_batches_total", "Training batches published")
 DROPPED = prometheus_client.Counter("meshrl_builder_dropped_stale_total", "Trajectories dropped as stale")
@@ -127,7 +128,7 @@ class Builder:
         self.batches_published = 0
         self.issued = 0
         # counted as issued, its publish not confirmed: prompt work, or a preference row's scored pair
-        self.unpublished: data_pb2.PromptWork | list[data_pb2.Trajectory] | None = None
+        self.unpublished: list[data_pb2.PromptWork | list[data_pb2.Trajectory]] = []  # counted, not yet published
         self.received = 0
         self.dropped_stale = 0
         self.reward_sum = 0.0
@@ -194,34 +195,46 @@ class Builder:
         if self.evals.due(version) and self.deployed_version >= version and not self.evals.pending:
             await self.issue_eval(version)
             return True
-        if self.unpublished is not None:
-            await self._publish_work(self.unpublished)
+        if self.unpublished:
+            await self._publish_works(self.unpublished)
             return True
-        refills = self.budget.refills
-        if not self.admitting.is_set() or self.train_target_reached or not self.budget.try_issue():
+        chunk = self._reserve(ISSUE_CHUNK)
+        if not chunk:
             CAPACITY.set(self.budget.capacity())
             return False
-        task = next(self.train)
-        work = self._train_work(task, self.issued, version)
-        # counted as issued (in memory, then in the ledger) before it is published: its trajectories can reach
-        # handle_scored before the PubAck does (a lost PubAck, a retry), and must find it issued
-        self.issued += 1
+        start = self.issued
+        works = [self._train_work(task, start + i, version) for i, (task, _) in enumerate(chunk)]
+        # counted as issued (in memory, then in the ledger, once for the chunk) before they are published: their
+        # trajectories can reach handle_group before the PubAcks do (a lost PubAck, a retry), and must find them
+        # issued; a restarted builder publishes the ledger's last chunk again (deduplicated where it was)
+        self.issued += len(chunk)
         try:
-            await self.ledger.set_issued(self.issued)
-            if self.budget.refills > refills:  # this prompt takes the slot of a filtered group
-                await self.ledger.set_refills(self.budget.refills)
+            await self.ledger.set_issued(self.issued, self.budget.refills, chunk_start=start)
         except BaseException:
-            # nothing published: the same task gets the same id next time (rewriting the count if it was stored)
-            self.issued -= 1
-            self.train = itertools.chain([task], self.train)
-            self.budget.cancel_issue(refilled=self.budget.refills > refills)
+            # nothing published: the same tasks get the same ids next time (rewriting the count if it was stored)
+            self.issued = start
+            self.train = itertools.chain([task for task, _ in chunk], self.train)
+            for _, refilled in reversed(chunk):
+                self.budget.cancel_issue(refilled=refilled)
             raise
-        ISSUED.inc()
-        if self.budget.refills > refills:
-            EXTRA_PROMPTS.inc()
-        self.in_flight_since[work[0].group_id if isinstance(work, list) else work.group_id] = time.monotonic()
-        await self._publish_work(work)
+        ISSUED.inc(len(chunk))
+        EXTRA_PROMPTS.inc(sum(refilled for _, refilled in chunk))
+        issued_at = time.monotonic()
+        for work in works:
+            self.in_flight_since[work[0].group_id if isinstance(work, list) else work.group_id] = issued_at
+        await self._publish_works(works)
         return True
+
+    def _reserve(self, most: int) -> list[tuple[object, bool]]:
+        """Up to `most` tasks the budget admits now, each with whether it is a refill (the slot of a filtered
+        group): one ledger write and one burst of publishes for all of them."""
+        chunk: list[tuple[object, bool]] = []
+        while len(chunk) < most and self.admitting.is_set() and not self.train_target_reached:
+            refills = self.budget.refills
+            if not self.budget.try_issue():
+                break
+            chunk.append((next(self.train), self.budget.refills > refills))
+        return chunk
 
     def _train_work(self, task, n: int, version: int) -> data_pb2.PromptWork | list[data_pb2.Trajectory]:
         group_id = f"g-{n}"  # the n-th task of the seeded stream: re-issuing after a crash is idempotent
@@ -234,16 +247,23 @@ class Builder:
                          encode=self.encode, sampling=self.train_sampling, version=version, split="train",
                          issued_at=now())
 
+    async def _publish_works(self, works: list[data_pb2.PromptWork | list[data_pb2.Trajectory]]) -> None:
+        """Publish counted works, all at once (their PubAcks come back together); those that fail stay counted
+        and are published first by the next issue_once (or by a restarted builder's recovery: this failure ends
+        the issue loop, and with it the builder)."""
+        self.unpublished = list(works)
+        results = await asyncio.gather(*(self._publish_work(w) for w in works), return_exceptions=True)
+        self.unpublished = [w for w, r in zip(works, results, strict=True) if isinstance(r, BaseException)]
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
+            raise failure
+
     async def _publish_work(self, work: data_pb2.PromptWork | list[data_pb2.Trajectory]) -> None:
-        """Publish a counted work; one that fails stays counted and is published first by the next issue_once
-        (or by a restarted builder's recovery: this failure ends the issue loop, and with it the builder)."""
-        self.unpublished = work
         await self._store_images(work)
         if isinstance(work, list):   # the ids dedupe a republished pair
             await trajectory_groups.publish(self.bus, SUBJECT_TRAJ_SCORED, work)
         else:
             await self.bus.publish(SUBJECT_PROMPTS, work, work.work_id)
-        self.unpublished = None
 
     async def _store_images(self, work: data_pb2.PromptWork | list[data_pb2.Trajectory]) -> None:
         """The images a work names, in the object store before the work is published (each stored once)."""
@@ -575,11 +595,12 @@ class Builder:
             counts.restore(self.budget)
             restarted = time.monotonic()  # their clocks start again: the deadline counts from this recovery
             self.in_flight_since = dict.fromkeys(counts.open_groups(), restarted)
-            self.train = itertools.islice(self.train, max(0, self.issued - 1), None)
-            last = next(self.train) if self.issued else None
-            if last is not None and f"g-{self.issued - 1}" not in self.consumed_groups:
-                # counted before its publish, which may not have happened: again (deduplicated if it did)
-                await self._publish_work(self._train_work(last, self.issued - 1, self.budget.version))
+            start = min(ledger.chunk_start, self.issued)
+            self.train = itertools.islice(self.train, start, None)
+            last_chunk = [(n, next(self.train)) for n in range(start, self.issued)]
+            # counted before their publishes, which may not have happened: again (deduplicated where they did)
+            await self._publish_works([self._train_work(task, n, self.budget.version) for n, task in last_chunk
+                                       if f"g-{n}" not in self.consumed_groups])
         else:
             counts.restore_online(self.online)
         for r in sorted(ledger.evals.values(), key=lambda r: r.round_id):

@@ -11,6 +11,7 @@ import pytest
 
 from services.builder.config import BuilderConfig
 from services.builder.grouping import check_rewards
+from services.builder.ledger import Dropped
 from services.builder.server import Builder
 from services.common.batches import STREAM, batch_subject, publish_batch, published_batches, read_batch
 from services.common.bus import SUBJECT_PROMPTS, Bus, InvalidMessage
@@ -184,8 +185,8 @@ async def test_trajectories_arriving_before_the_issue_publish_returns_are_accept
 
     monkeypatch.setattr(bus, "publish", publish_then_answer)
     try:
-        for _ in range(4):  # version 0, eta 1: (0 + 1 + 1) * 2 groups
-            assert await builder.issue_once()
+        assert await builder.issue_once()  # version 0, eta 1: (0 + 1 + 1) * 2 groups, counted as one chunk
+        assert not await builder.issue_once()
         assert not errors, errors
         assert builder.issued == 4 and builder.batches_published == 2 and all(a.acked for a in acks)
         assert builder.budget.in_flight == 0 and builder.budget.accepted == 4
@@ -199,7 +200,7 @@ async def test_a_restarted_builder_republishes_the_last_work_it_counted(nats_ser
     bus = await Bus.connect(nats_server.url, name="builder")
     first, stop1 = await recovered(bus)
     first.issued = 3
-    await first.ledger.set_issued(3)  # g-2 counted, then the process died before its publish
+    await first.ledger.set_issued(3, 0)  # g-2 counted, then the process died before its publish
     await shut(first, stop1, bus)
     bus2 = await Bus.connect(nats_server.url, name="builder-2")
     second, stop2 = await recovered(bus2)
@@ -207,6 +208,22 @@ async def test_a_restarted_builder_republishes_the_last_work_it_counted(nats_ser
         assert [w.group_id for w in await prompt_work(bus2)] == ["g-2"] and second.issued == 3
         assert await second.issue_once()
         assert [w.group_id for w in await prompt_work(bus2)] == ["g-2", "g-3"]
+    finally:
+        await shut(second, stop2, bus2)
+
+
+async def test_a_restarted_builder_republishes_the_whole_last_chunk_but_what_was_consumed(nats_server):
+    """A chunk is counted with one write before its works go out together: a builder that died during the burst
+    publishes the chunk's works again (JetStream drops those it had stored), except a group already dropped."""
+    bus = await Bus.connect(nats_server.url, name="builder")
+    first, stop1 = await recovered(bus)
+    await first.ledger.set_issued(4, 0, chunk_start=1)  # g-1..g-3 counted together
+    await first.ledger.add_dropped(Dropped("g-2", "timeout", "workflow", 0))
+    await shut(first, stop1, bus)
+    bus2 = await Bus.connect(nats_server.url, name="builder-2")
+    second, stop2 = await recovered(bus2)
+    try:
+        assert [w.group_id for w in await prompt_work(bus2)] == ["g-1", "g-3"] and second.issued == 4
     finally:
         await shut(second, stop2, bus2)
 

@@ -19,8 +19,7 @@ async def test_incomplete_groups_time_out_and_give_their_slots_back(nats_server)
     bus = await Bus.connect(nats_server.url, name="builder")
     builder, stop = await recovered(bus, group_timeout_s=60.0)
     try:
-        for _ in range(4):  # version 0, eta 1: (0 + 1 + 1) * 2 groups
-            assert await builder.issue_once()
+        assert await builder.issue_once() and builder.issued == 4  # version 0, eta 1: (0 + 1 + 1) * 2 groups
         assert builder.budget.capacity() == 0 and not await builder.issue_once()
         half = FakeMsg()
         await builder.handle_scored(traj("g-1", 0, source="workflow"), half)  # one of two members
@@ -43,14 +42,13 @@ async def test_incomplete_groups_time_out_and_give_their_slots_back(nats_server)
 async def test_a_restarted_builder_times_out_groups_it_recovered_in_flight(nats_server):
     bus = await Bus.connect(nats_server.url, name="builder")
     first, stop1 = await recovered(bus)
-    for _ in range(2):
-        assert await first.issue_once()
+    assert await first.issue_once() and first.issued == 4   # one chunk: the budget's four slots
     await shut(first, stop1, bus)
     bus2 = await Bus.connect(nats_server.url, name="builder-2")
     second, stop2 = await recovered(bus2, group_timeout_s=60.0)
     try:
-        assert set(second.in_flight_since) == {"g-0", "g-1"}
-        assert await second.drop_expired(time.monotonic() + 61) == 2
+        assert set(second.in_flight_since) == {"g-0", "g-1", "g-2", "g-3"}
+        assert await second.drop_expired(time.monotonic() + 61) == 4
         assert second.budget.in_flight == 0
     finally:
         await shut(second, stop2, bus2)

@@ -93,7 +93,7 @@ async def test_the_builder_batches_pairs_without_generating_and_republishes_afte
             assert bytes(chosen.completion_ids[:-1]).decode().strip().isdigit()
         assert rollout.works == ["eval-0-0"], "only the evaluation was sent to a rollout for generation"
         first.issued += 1                                   # a pair counted, then the process died before its
-        await first.ledger.set_issued(first.issued)         # publish
+        await first.ledger.set_issued(first.issued, first.budget.refills)  # publish
         await crash(tasks[1:], bus)
         bus2 = await Bus.connect(nats_server.url, name="builder-2")
         second = make(bus2)

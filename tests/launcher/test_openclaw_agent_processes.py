@@ -70,3 +70,21 @@ def test_openclaw_dies_with_the_agent(tmp_path, sig):
     finally:
         agent.kill()
         agent.wait(timeout=10)
+
+
+def test_episodes_of_a_slot_run_in_the_same_emptied_folder_and_concurrent_ones_in_their_own():
+    """OpenClaw's system prompt names the working directory: the same path again keeps it the same prompt (the
+    engine's prefix cache then serves all of it), and nothing an earlier episode left is seen by the next."""
+    slots = openclaw_agent.Slots(2)
+    try:
+        with slots.take() as first:
+            (first / "left-behind").write_text("x")
+            with slots.take() as second:
+                assert second != first
+        with slots.take() as again:
+            assert again in (first, second) and not any(again.iterdir())
+        with slots.take() as a, slots.take() as b:
+            assert {a, b} == {first, second}
+    finally:
+        slots.close()
+    assert not slots.root.exists()

@@ -526,6 +526,17 @@ def trajectory_group(draw):
 
 
 @st.composite
+def trajectory_bundle(draw):
+    """A rollout's bundle (traj.raw): group messages as above, or one group twice, or none."""
+    from services.common.contracts import data_pb2
+
+    groups = [draw(trajectory_group()) for _ in range(draw(st.integers(1, 3)))]
+    if draw(st.integers(0, 7)) == 0:
+        groups.append(groups[0])
+    return draw(corrupt(data_pb2.TrajectoryBundle(groups=groups), {"groups": st.just([])}))
+
+
+@st.composite
 def training_batch(draw):
     from services.common.contracts import data_pb2
 
@@ -552,8 +563,8 @@ def bus_message(draw, proto, type_name: str):
     elif kind == 3:
         data = data + draw(proto).SerializeToString()  # a merge of two messages
     elif kind == 4:
-        header = draw(st.sampled_from(["meshrl.v1.Trajectory", "meshrl.v1.TrajectoryGroup", "meshrl.v1.PromptWork",
-                                       "", "x"]))
+        header = draw(st.sampled_from(["meshrl.v1.Trajectory", "meshrl.v1.TrajectoryGroup",
+                                       "meshrl.v1.TrajectoryBundle", "meshrl.v1.PromptWork", "", "x"]))
     elif kind == 5:
         header = None
     return data, header
@@ -658,12 +669,15 @@ def fuzz_bus(target: str, cases: int, seed: int) -> Tally:
         scorer = Scorer(lambda ids: tok.decode(ids, skip_special_tokens=True), "math", timeout_s=10.0,
                         vocab_size=padded_vocab_size(tok), pool=pool)
 
-        async def handle(group) -> None:  # the reward service's handler: score the group, publish it on traj.scored
-            await trajectory_groups.publish(bus, "traj.scored", await scorer.score_group_async(group.trajectories))
+        from services.reward.server import score_groups
 
-        decode, manual = trajectory_groups.decode, False
+        async def handle(groups) -> None:  # the reward service's handler: score the groups, publish each scored
+            await score_groups(scorer, bus, groups)
+
+        decode, manual = trajectory_groups.decode_groups, False
         strategy = st.one_of(bus_message(trajectory(), "meshrl.v1.Trajectory"),
-                             bus_message(trajectory_group(), "meshrl.v1.TrajectoryGroup"))
+                             bus_message(trajectory_group(), "meshrl.v1.TrajectoryGroup"),
+                             bus_message(trajectory_bundle(), "meshrl.v1.TrajectoryBundle"))
         subject = "traj.raw"
     elif target == "traj.scored":
         from services.builder.config import BuilderConfig
@@ -676,9 +690,10 @@ def fuzz_bus(target: str, cases: int, seed: int) -> Tally:
         builder.ledger.kv = bus
         builder.budget.in_flight = 10**9  # a builder in a run: workflow groups g-* were issued (its budget asserts so)
         builder.live.set()
-        decode, handle, manual = trajectory_groups.decode, builder.handle_group, True
+        decode, handle, manual = trajectory_groups.decode_groups, builder.handle_message, True
         strategy = st.one_of(bus_message(trajectory(), "meshrl.v1.Trajectory"),
-                             bus_message(trajectory_group(), "meshrl.v1.TrajectoryGroup"))
+                             bus_message(trajectory_group(), "meshrl.v1.TrajectoryGroup"),
+                             bus_message(trajectory_bundle(), "meshrl.v1.TrajectoryBundle"))
         subject = "traj.scored"
     elif target == "batches":
         import torch

@@ -14,7 +14,6 @@ just before a crash, before its record); versions come from replaying EVENTS.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import uuid
@@ -23,6 +22,7 @@ import nats.js.errors
 from nats.js.api import KeyValueConfig
 
 from services.common.bus import LEDGER_SHARE, Bus, retry
+from services.common.group_commit import GroupCommit
 
 BUCKET = "meshrl_builder"
 NO_VARIANCE = "no_reward_variance"  # the reason of a group dynamic sampling filtered
@@ -74,8 +74,7 @@ class Ledger:
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
         self.kv = None
-        self._drops: list[tuple[Dropped, asyncio.Future]] = []   # waiting for the next drops record
-        self._writing_drops: asyncio.Task | None = None
+        self._drops = GroupCommit(self._write_drops, name="ledger-drops")
 
     async def open(self) -> None:
         async def open_kv():
@@ -129,28 +128,10 @@ class Ledger:
     async def add_dropped(self, dropped: Dropped) -> None:
         """Returns once the drop is durable. Drops that come while a record is being written wait for it and
         go together into the next one: one write per burst of filtered groups instead of one per group."""
-        done = asyncio.get_running_loop().create_future()
-        self._drops.append((dropped, done))
-        if self._writing_drops is None or self._writing_drops.done():
-            self._writing_drops = asyncio.create_task(self._write_drops(), name="ledger-drops")
-        await asyncio.shield(done)   # a cancelled caller leaves the record to be written for the others
+        await self._drops.add(dropped)
 
-    async def _write_drops(self) -> None:
-        while self._drops:
-            await asyncio.sleep(0)   # the drops of handlers running on this tick join the record
-            taken, self._drops = self._drops, []
-            try:
-                await self._put(f"drops.{uuid.uuid4().hex}", [dataclasses.asdict(d) for d, _ in taken])
-            except BaseException as exc:   # every caller in the record gets the failure, to retry its own way
-                for _, done in taken:
-                    if not done.done():
-                        done.set_exception(exc if isinstance(exc, Exception) else RuntimeError("ledger closed"))
-                if not isinstance(exc, Exception):
-                    raise
-                continue
-            for _, done in taken:
-                if not done.done():
-                    done.set_result(None)
+    async def _write_drops(self, drops: list[Dropped]) -> None:
+        await self._put(f"drops.{uuid.uuid4().hex}", [dataclasses.asdict(d) for d in drops])
 
     async def add_batch(self, batch: Batched) -> None:
         await self._put(f"batch.{batch.index}", dataclasses.asdict(batch))

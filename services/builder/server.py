@@ -14,6 +14,7 @@ import prometheus_client
 from transformers import AutoProcessor, AutoTokenizer
 
 from services.builder.accounting import RunEnd, recount
+from services.builder.acks import SharedAck
 from services.builder.admission import OnlineBudget, StalenessBudget
 from services.builder.capacity import TRAJ_SPEC, check_traj_capacity, longest_prompt_tokens
 from services.builder.config import BuilderConfig
@@ -294,16 +295,38 @@ class Builder:
         """One scored trajectory alone: a group message of one."""
         await self.handle_group(trajectory_groups.of([traj]), msg)
 
+    async def handle_message(self, groups: list[data_pb2.TrajectoryGroup], msg) -> None:
+        """A traj.scored message: a group (or some of its members), or a bundle of whole groups (the reward
+        service scores a rollout's bundle together). Every member of every group is checked before any is held
+        (one that can never be trained dead-letters the message, and with it each of its groups); a bundle's
+        message is acked once each of its groups has been batched, dropped or, for eval results, reported."""
+        if len(groups) == 1:
+            await self.handle_group(groups[0], msg)
+            return
+        await self.live.wait()
+        for group in groups:
+            self._check_group(group)
+        shared = SharedAck(msg, len(groups))
+        for group in groups:
+            await self._handle_checked(group, shared.part())
+
     async def handle_group(self, message: data_pb2.TrajectoryGroup, msg) -> None:
         """A group message from traj.scored (all of a group's members, or some of them when it was split): every
         member is checked before any is held; `msg` is acked once the group is batched, dropped or, for an eval
         result, its round's event is out."""
-        trajs = list(message.trajectories)
+        await self.live.wait()
+        self._check_group(message)
+        await self._handle_checked(message, msg)
+
+    def _check_group(self, message: data_pb2.TrajectoryGroup) -> None:
+        trajs = message.trajectories
         if not trajs or not all(t.trajectory_id and t.group_id for t in trajs):
             raise InvalidMessage("trajectory_id / group_id: missing")
-        await self.live.wait()
         for traj in trajs:
             self._check_scored(traj)
+
+    async def _handle_checked(self, message: data_pb2.TrajectoryGroup, msg) -> None:
+        trajs = list(message.trajectories)
         first = trajs[0]
         if first.split == "eval":
             for traj in trajs:
@@ -433,9 +456,13 @@ class Builder:
         """A prompt work or trajectory that no service could process: its group can never complete, so it is
         dropped with the reason (its budget slot freed); an eval result counts as wrong."""
         await self.live.wait()
-        items = trajectory_groups.dead_letter_items(letter)
-        if not items:  # undecodable: it never belonged to a group
-            return
+        groups: dict[str, list] = {}   # a rollout's bundle holds several groups: each is dropped
+        for each in trajectory_groups.dead_letter_items(letter):  # none when undecodable: it never had a group
+            groups.setdefault(each.group_id, []).append(each)
+        for items in groups.values():
+            await self._dead_lettered(letter, items)
+
+    async def _dead_lettered(self, letter: data_pb2.DeadLetter, items: list) -> None:
         item = items[0]
         if not item.group_id or item.group_id in self.consumed_groups:
             return
@@ -701,7 +728,7 @@ class Builder:
             return
         await self.prune_blobs()  # what the replayed checkpoints allow
         tasks = [
-            asyncio.create_task(consume(self.bus, "builder", trajectory_groups.decode, self.handle_group, stop,
+            asyncio.create_task(consume(self.bus, "builder", trajectory_groups.decode_groups, self.handle_message, stop,
                                         concurrency=64, manual_ack=True), name="scored"),
             asyncio.create_task(self.issue_loop(stop), name="issue"),
             asyncio.create_task(self.keep_alive(stop), name="keep-alive"),

@@ -6,6 +6,10 @@ sends the same members under the same id and JetStream drops the copy. A group o
 goes as several messages, each with some of the members (each id again its members' digest); consumers merge
 by group id. Consumers read a bare `Trajectory` on these subjects as a group of one: what earlier releases and
 single-trajectory publishers send.
+
+A rollout's groups that finish together go out on traj.raw as one `TrajectoryBundle` (whole groups; its id is a
+digest of all their members' ids); the reward service reads it as its groups (`decode_groups`) and publishes them
+scored together on traj.scored, where the builder reads it the same way.
 """
 
 from __future__ import annotations
@@ -22,11 +26,19 @@ from services.common.ids import HEADER_ID
 
 GROUP_TYPE = data_pb2.TrajectoryGroup.DESCRIPTOR.full_name
 TRAJECTORY_TYPE = data_pb2.Trajectory.DESCRIPTOR.full_name
+BUNDLE_TYPE = data_pb2.TrajectoryBundle.DESCRIPTOR.full_name
 
 
 def message_id(group: data_pb2.TrajectoryGroup) -> str:
-    digest = hashlib.sha1("\n".join(sorted(t.trajectory_id for t in group.trajectories)).encode()).hexdigest()[:16]
-    return f"{group.group_id}/{digest}"
+    return f"{group.group_id}/{_digest(group.trajectories)}"
+
+
+def bundle_id(bundle: data_pb2.TrajectoryBundle) -> str:
+    return f"bundle/{_digest([t for g in bundle.groups for t in g.trajectories])}"
+
+
+def _digest(members: Sequence[data_pb2.Trajectory]) -> str:
+    return hashlib.sha1("\n".join(sorted(t.trajectory_id for t in members)).encode()).hexdigest()[:16]
 
 
 def of(trajectories: Sequence[data_pb2.Trajectory]) -> data_pb2.TrajectoryGroup:
@@ -58,6 +70,27 @@ def decode(msg: Msg) -> data_pb2.TrajectoryGroup:
     """The consumers' decoder: a TrajectoryGroup, or a bare Trajectory as a group of one; InvalidMessage for any
     other type, undecodable bytes or a malformed group."""
     return parse((msg.headers or {}).get(TYPE_HEADER), msg.data)
+
+
+def decode_groups(msg: Msg) -> list[data_pb2.TrajectoryGroup]:
+    """The reward's decoder on traj.raw: a bundle's groups (each checked, their ids distinct), or the one group of
+    a TrajectoryGroup or bare Trajectory; InvalidMessage otherwise."""
+    type_name = (msg.headers or {}).get(TYPE_HEADER)
+    if type_name != BUNDLE_TYPE:
+        return [parse(type_name, msg.data)]
+    try:
+        bundle = data_pb2.TrajectoryBundle.FromString(msg.data)
+    except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and friends: never decodable
+        raise InvalidMessage(f"undecodable {type_name}: {exc}") from exc
+    if not bundle.groups:
+        raise InvalidMessage("groups: a bundle without groups")
+    seen: set[str] = set()
+    for k, group in enumerate(bundle.groups):
+        if group.group_id in seen:
+            raise InvalidMessage(f"groups[{k}].group_id: {group.group_id!r} twice in one bundle")
+        seen.add(group.group_id)
+        check(group)
+    return list(bundle.groups)
 
 
 def parse(type_name: str | None, data: bytes) -> data_pb2.TrajectoryGroup:
@@ -97,6 +130,37 @@ def parts(trajectories: Sequence[data_pb2.Trajectory], max_bytes: int) -> list[d
     return [of(members) for members in out]
 
 
+def pack(groups: Sequence[Sequence[data_pb2.Trajectory]], max_bytes: int) -> list[list[Sequence[data_pb2.Trajectory]]]:
+    """Whole groups packed in order into as few messages as fit `max_bytes`; a group over it alone (it then goes
+    in parts)."""
+    out: list[list[Sequence[data_pb2.Trajectory]]] = [[]]
+    size = 0
+    for members in groups:
+        n = of(members).ByteSize() + 8   # the group's tag and length in the bundle
+        if out[-1] and size + n > max_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(members)
+        size += n
+        if n > max_bytes:
+            out.append([])
+            size = 0
+    return [each for each in out if each]
+
+
+async def publish_together(bus: Bus, subject: str, groups: Sequence[Sequence[data_pb2.Trajectory]]) -> int:
+    """Publish whole groups as few bundles as fit max_payload (a group alone as its TrajectoryGroup, or in parts
+    when over the limit); returns how many messages JetStream took as new."""
+    sends = []
+    for packed in pack(groups, bus.max_payload - HEADER_ROOM):
+        if len(packed) == 1:
+            sends.append(publish(bus, subject, packed[0]))
+        else:
+            bundle = data_pb2.TrajectoryBundle(groups=[of(members) for members in packed])
+            sends.append(bus.publish(subject, bundle, bundle_id(bundle)))
+    return sum(await asyncio.gather(*sends))
+
+
 async def publish(bus: Bus, subject: str, trajectories: Sequence[data_pb2.Trajectory]) -> int:
     """Publish one group's trajectories (as one message, or several when over max_payload); returns how many
     messages JetStream took as new (0: all duplicates of earlier publishes)."""
@@ -114,6 +178,9 @@ def dead_letter_items(letter: data_pb2.DeadLetter) -> list[data_pb2.Trajectory] 
         except Exception:  # noqa: BLE001
             return []
     try:  # unchecked: a malformed group's members still name the group that can no longer complete
+        if letter.type == BUNDLE_TYPE:
+            bundle = data_pb2.TrajectoryBundle.FromString(letter.data)
+            return [t for g in bundle.groups for t in g.trajectories]
         return list(_decode(letter.type or TRAJECTORY_TYPE, letter.data).trajectories)
-    except InvalidMessage:
+    except Exception:  # noqa: BLE001 - undecodable (InvalidMessage, a bundle's DecodeError)
         return []

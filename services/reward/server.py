@@ -1,5 +1,5 @@
-"""The reward service's edges: a queue-group consumer on traj.raw (one message per group), publishes each group
-scored on traj.scored, serves gRPC."""
+"""The reward service's edges: a queue-group consumer on traj.raw (a group, or a rollout's bundle of groups, per
+message), publishes each group scored on traj.scored, serves gRPC."""
 
 from __future__ import annotations
 
@@ -86,6 +86,19 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                                        dead_letters=counts, dead_lettered=counts.get("reward", 0))
 
 
+async def score_groups(scorer: Scorer, bus: Bus, groups: list[data_pb2.TrajectoryGroup]) -> list[data_pb2.Trajectory]:
+    """One traj.raw message's groups (a rollout's bundle holds several): every member of every group is checked
+    before any is scored (InvalidMessage naming it dead-letters the message), then they go on scored together on
+    traj.scored (one group as its TrajectoryGroup, several as a bundle), each message's id its members' digest."""
+    scored = await scorer.score_group_async([t for g in groups for t in g.trajectories])
+    parts, start = [], 0
+    for group in groups:
+        parts.append(scored[start:start + len(group.trajectories)])
+        start += len(group.trajectories)
+    await trajectory_groups.publish_together(bus, SUBJECT_TRAJ_SCORED, parts)
+    return scored
+
+
 async def serve(config: RewardConfig, stop: asyncio.Event) -> None:
     tokenizer = AutoTokenizer.from_pretrained(config.model_path)
     build_verifier(config.default_verifier, "default_verifier")  # a misspelt default stops start-up
@@ -104,9 +117,8 @@ async def _serve(config: RewardConfig, tokenizer, pool, bus: Bus, runtime: Servi
                     count_tokens=lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
     stats = {"scored": 0.0, "reward_sum": 0.0}
 
-    async def handle(group: data_pb2.TrajectoryGroup) -> None:
-        scored = await scorer.score_group_async(group.trajectories)
-        await trajectory_groups.publish(bus, SUBJECT_TRAJ_SCORED, scored)
+    async def handle(groups: list[data_pb2.TrajectoryGroup]) -> None:
+        scored = await score_groups(scorer, bus, groups)
         stats["scored"] += len(scored)
         stats["reward_sum"] += sum(t.reward for t in scored)
         SCORED.inc(len(scored))
@@ -120,4 +132,5 @@ async def _serve(config: RewardConfig, tokenizer, pool, bus: Bus, runtime: Servi
         reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name)])
     get_logger().info("serving", grpc_port=rpc.port)
     runtime.spawn(dead_letters.run(runtime.stop), "dead-letter-counts")
-    await consume(bus, "reward", trajectory_groups.decode, handle, runtime.stop, concurrency=config.concurrency)
+    await consume(bus, "reward", trajectory_groups.decode_groups, handle, runtime.stop,
+                  concurrency=config.concurrency)

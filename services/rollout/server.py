@@ -27,6 +27,7 @@ from services.common.bus import (
 from services.common.contracts import common_pb2, data_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common.deadletters import DeadLetterWatch
 from services.common.errors import FieldError, field_error
+from services.common.group_commit import GroupCommit
 from services.common.hf_models import Pixels
 from services.common.images import ImageStore
 from services.common.logging import get_logger
@@ -69,6 +70,9 @@ class Rollout:
         self.pull_gate.set()
         self.holds: set[str] = set()  # why the gate is closed: "rpc" (Pause), "weights" (stale after a restart)
         self.published = 0
+        self.raw: GroupCommit[list[data_pb2.Trajectory]] = GroupCommit(
+            lambda groups: trajectory_groups.publish_together(bus, SUBJECT_TRAJ_RAW, groups), most=64,
+            name="traj-raw")
         self.dead_letters = DeadLetterWatch(bus)
         self.image_store = ImageStore(bus)  # a vision-language model's prompt images, by digest
         self._pixels: Pixels | None = None
@@ -112,9 +116,11 @@ class Rollout:
         if any(s.finish_reason == "abort" for s in seqs):
             raise RuntimeError(f"work {work.work_id} aborted by shutdown")
         trajectories = to_trajectories(work, seqs)
-        # the group as one message; a redelivered work republishes the same members under the same id, which
-        # JetStream deduplicates, so a failure here loses and duplicates nothing
-        await trajectory_groups.publish(self.bus, SUBJECT_TRAJ_RAW, trajectories)
+        # with the groups that finish while the previous publish is in flight, as one bundle; returns once it is
+        # stored (the work is acked after). A redelivered work's group has the same members' ids: the reward
+        # service publishes it scored under the same id again, which JetStream deduplicates on traj.scored, and
+        # the builder keeps one trajectory per id, so a failure here loses and duplicates nothing
+        await self.raw.add(trajectories)
         self.published += len(trajectories)
         TRAJECTORIES.inc(len(trajectories))
         TOKENS.set(self.engine.stats.tokens_generated)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from services.builder.ledger import Dropped
+from services.common import trajectory_groups
 from services.common.bus import SUBJECT_VERSIONS, Bus, decoder, follow
 from services.common.contracts import data_pb2
 from tests.builder.test_flush_reliability import FakeMsg, fail_once, recovered, shut, traj
@@ -82,5 +83,26 @@ async def test_a_dead_letter_for_a_group_never_issued_frees_no_slot(nats_server)
         await builder.handle_dead_letter(letter)
         assert builder.budget.in_flight == 1 and builder.budget.dropped == 0 and builder.groups_dropped == 0
         assert not (await builder.ledger.load()).dropped
+    finally:
+        await shut(builder, stop, bus)
+
+
+async def test_a_dead_lettered_bundle_drops_each_of_its_groups(nats_server):
+    """The reward service dead-letters a rollout's bundle whole (a member can never be scored): every group in it
+    can no longer complete, so each is dropped and gives its slot back."""
+    bus = await Bus.connect(nats_server.url, name="builder")
+    builder, stop = await recovered(bus)
+    try:
+        for _ in range(3):
+            assert builder.budget.try_issue()
+        builder.issued = 3
+        groups = [trajectory_groups.of([traj(f"g-{n}", k, source="workflow") for k in range(2)]) for n in (0, 2)]
+        letter = data_pb2.DeadLetter(subject="traj.raw", consumer="reward", reason="cannot be decoded",
+                                     type=trajectory_groups.BUNDLE_TYPE,
+                                     data=data_pb2.TrajectoryBundle(groups=groups).SerializeToString())
+        await builder.handle_dead_letter(letter)
+        dropped = (await builder.ledger.load()).dropped
+        assert set(dropped) == {"g-0", "g-2"} and dropped["g-2"].reason == "dead_letter:reward"
+        assert builder.budget.in_flight == 1 and builder.budget.dropped == 2 and builder.groups_dropped == 2
     finally:
         await shut(builder, stop, bus)

@@ -58,3 +58,30 @@ async def test_a_group_split_over_messages_completes_with_its_last_part(nats_ser
         assert builder.batches_published == 1 and [m.acks for m in parts] == [1, 1]
     finally:
         await shut(builder, stop, bus)
+
+
+async def test_a_bundle_of_groups_is_acked_once_when_its_last_group_is_batched(nats_server):
+    """The reward service's bundle: each group goes its own way (here: one batched now, one in the next batch);
+    the message is acked once, after both, so a crash in between redelivers the group not yet batched."""
+    bus = await Bus.connect(nats_server.url, name="builder")
+    builder, stop = await recovered(bus, batch_size=2)
+    try:
+        bundle = CountingMsg()
+        await builder.handle_group(trajectory_groups.of([traj("s-0", 0), traj("s-0", 1)]), CountingMsg())
+        await builder.handle_message([trajectory_groups.of([traj(f"s-{n}", k) for k in range(2)]) for n in (1, 2)],
+                                     bundle)
+        assert builder.batches_published == 1 and bundle.acks == 0, "s-2 still waits for its batch"
+        await builder.handle_group(trajectory_groups.of([traj("s-3", 0), traj("s-3", 1)]), CountingMsg())
+        assert builder.batches_published == 2 and bundle.acks == 1
+        again = CountingMsg()
+        await builder.handle_message([trajectory_groups.of([traj(f"s-{n}", k) for k in range(2)]) for n in (1, 2)],
+                                     again)
+        assert again.acks == 1 and builder.received == 8, "a redelivered bundle of batched groups: acked, not counted"
+
+        bad = CountingMsg()
+        with pytest.raises(InvalidMessage, match="reward"):
+            await builder.handle_message([trajectory_groups.of([traj("s-4", 0), traj("s-4", 1)]),
+                                          trajectory_groups.of([traj("s-5", 0), traj("s-5", 1, reward=math.inf)])], bad)
+        assert not {"s-4", "s-5"} & set(builder.assembler.known) and bad.acks == 0, "none of a bad bundle is held"
+    finally:
+        await shut(builder, stop, bus)

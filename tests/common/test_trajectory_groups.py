@@ -103,3 +103,55 @@ def test_on_a_real_server_a_group_is_one_message_and_its_republish_a_duplicate(n
             await bus.close()
 
     asyncio.run(main())
+
+
+def test_a_bundle_is_read_as_its_groups_and_a_malformed_one_is_refused_naming_the_field():
+    a, b = trajectory_groups.of([member(0), member(1)]), trajectory_groups.of([member(0, "g-1")])
+    groups = trajectory_groups.decode_groups(Raw(data_pb2.TrajectoryBundle(groups=[a, b])))
+    assert [g.group_id for g in groups] == ["g-0", "g-1"]
+    assert [g.group_id for g in trajectory_groups.decode_groups(Raw(a))] == ["g-0"]       # a group: itself
+    assert [g.group_id for g in trajectory_groups.decode_groups(Raw(member(2)))] == ["g-0"]  # a bare trajectory
+    with pytest.raises(InvalidMessage, match=r"groups\[1\].group_id"):
+        trajectory_groups.decode_groups(Raw(data_pb2.TrajectoryBundle(groups=[a, a])))
+    with pytest.raises(InvalidMessage, match=r"trajectories\[1\].group_id"):
+        trajectory_groups.decode_groups(Raw(data_pb2.TrajectoryBundle(groups=[
+            data_pb2.TrajectoryGroup(group_id="g-0", trajectories=[member(0), member(1, "g-1")])])))
+    with pytest.raises(InvalidMessage, match="groups"):
+        trajectory_groups.decode_groups(Raw(data_pb2.TrajectoryBundle()))
+    with pytest.raises(InvalidMessage, match="undecodable"):
+        trajectory_groups.decode_groups(type("M", (), {"data": b"\xff\xff", "headers": {
+            TYPE_HEADER: trajectory_groups.BUNDLE_TYPE}})())
+    letter = data_pb2.DeadLetter(subject="traj.raw", consumer="reward", type=trajectory_groups.BUNDLE_TYPE,
+                                 data=data_pb2.TrajectoryBundle(groups=[a, b]).SerializeToString())
+    assert [t.group_id for t in trajectory_groups.dead_letter_items(letter)] == ["g-0", "g-0", "g-1"]
+
+
+def test_on_a_real_server_groups_published_together_are_one_bundle_up_to_the_limit(nats_server):
+    async def main():
+        bus = await Bus.connect(nats_server.url, name="t")
+        try:
+            groups = [[member(k, f"g-{n}") for k in range(4)] for n in range(5)]
+            assert await trajectory_groups.publish_together(bus, SUBJECT_TRAJ_RAW, groups) == 1
+            assert await trajectory_groups.publish_together(bus, SUBJECT_TRAJ_RAW, groups[::-1]) == 0, \
+                "the same members again: a duplicate"
+            msg = await bus.js.get_msg("TRAJ", 1)
+            assert msg.headers[TYPE_HEADER] == trajectory_groups.BUNDLE_TYPE
+            bundle = data_pb2.TrajectoryBundle.FromString(msg.data)
+            assert [g.group_id for g in bundle.groups] == [f"g-{n}" for n in range(5)]
+            # a group alone goes as its TrajectoryGroup; over the limit, the groups are spread over bundles
+            assert await trajectory_groups.publish_together(bus, SUBJECT_TRAJ_RAW, [[member(0, "g-9")]]) == 1
+            assert (await bus.js.get_msg("TRAJ", 2)).headers[TYPE_HEADER] == trajectory_groups.GROUP_TYPE
+        finally:
+            await bus.close()
+
+    asyncio.run(main())
+
+
+def test_groups_are_packed_whole_in_order_and_one_over_the_limit_goes_alone():
+    groups = [[member(k, f"g-{n}", tokens=100) for k in range(4)] for n in range(5)]
+    one = trajectory_groups.of(groups[0]).ByteSize() + 8
+    packed = trajectory_groups.pack(groups, 2 * one)
+    assert [[m[0].group_id for m in each] for each in packed] == [["g-0", "g-1"], ["g-2", "g-3"], ["g-4"]]
+    huge = [member(k, "big", tokens=2000) for k in range(4)]
+    packed = trajectory_groups.pack([groups[0], huge, groups[1]], 2 * one)
+    assert [[m[0].group_id for m in each] for each in packed] == [["g-0"], ["big"], ["g-1"]]

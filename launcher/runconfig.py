@@ -40,7 +40,8 @@ CONFIG_CLASSES = {"builder": "services.builder.config:BuilderConfig",
                   "rollout": "services.rollout.config:RolloutConfig",
                   "trainer": "services.trainer.config:TrainerConfig",
                   "weight_exchange": "services.weight_exchange.config:WeightExchangeConfig"}
-BUILT_IN_MODELS = ("tiny-qwen3", "tiny-qwen3-chat", "tiny-qwen3-tools", "tiny-qwen3-moe", "tiny-vlm")
+BUILT_IN_MODELS = ("tiny-qwen3", "tiny-qwen3-chat", "tiny-qwen3-tools", "tiny-qwen3-code", "tiny-qwen3-search",
+                   "tiny-qwen3-moe", "tiny-vlm")
 DTYPES = ("float32", "bfloat16")
 
 # A pretrained model's trainer settings where the file leaves them unset, in line with TRL's GRPOConfig and verl's

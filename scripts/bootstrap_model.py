@@ -2,13 +2,14 @@
 
     python scripts/bootstrap_model.py --out artifacts/models/tiny-add --seed 0
     python scripts/bootstrap_model.py --out artifacts/models/tiny-tools --tools --band 0.3 0.5 --eval-every 25
+    python scripts/bootstrap_model.py --out artifacts/models/tiny-code --agent code --band 0.3 0.5
 
 SFT trains on demonstrations from the train split (loss on completion tokens + the end of turn only) and
 stops as soon as greedy accuracy on the held-out split reaches the band's lower end (default 15%), so RL
 starts from a model that is partly right. The curriculum is integer addition (raw text, or through the
-chat template with --chat) or, with --tools, the example calculator agent's two-turn tool-using episodes
-(scripts/tool_episodes.py). Prints one JSON line: held-out accuracy, steps, seconds. Deterministic per
-seed (CPU, fixed thread count).
+chat template with --chat) or, with --agent, an example agent's multi-turn tool-using episodes
+(scripts/tool_episodes.py: `calculator`, which --tools names too, `code` or `search`). Prints one JSON
+line: held-out accuracy, steps, seconds. Deterministic per seed (CPU, fixed thread count).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def is_correct(completion: str, reference: str) -> bool:
 # "raw": the prompt is the problem text ("12+30="), the completion ends with EOS (the main job).
 # "chat": the problem is a user message rendered with the chat template and the completion ends with the
 # template's end of turn, so the model answers through the agent gateway.
-# "tools": whole calculator-agent episodes through the chat template (make run-agent's example agents).
+# "tools": an example agent's whole episodes through the chat template (make run-agent's, run-code-agent's...).
 PROMPT_STYLE = "raw"
 
 
@@ -226,15 +227,20 @@ def addition_curriculum(tokenizer, seed: int, eval_tasks: list[Task] | None = No
                       lambda model: greedy_accuracy(model, tokenizer, eval_tasks))
 
 
-def tool_curriculum(tokenizer, seed: int) -> Curriculum:
-    """The calculator agent's episodes: a tool call, the tool's result, 'Answer: N' (scripts/tool_episodes.py)."""
+def tool_curriculum(tokenizer, seed: int, name: str) -> Curriculum:
+    """An example agent's episodes: tool calls, the tools' results, the answer (scripts/tool_episodes.py)."""
     import tool_episodes
 
-    train = tool_episodes.split("train", TRAIN_NUM, seed)
-    eval_tasks = tool_episodes.split("eval", EVAL_NUM, seed)
-    return Curriculum(TRAIN_NUM, lambda idx: inputs(*pad_batch(tokenizer, [tool_episodes.demonstration(tokenizer, q, e)
-                                                                           for _, q, e in (train[i] for i in idx)])),
-                      lambda model: tool_episodes.greedy_success(model, tokenizer, eval_tasks, generate))
+    agent = tool_episodes.AGENTS[name]
+    train = agent.split("train", TRAIN_NUM, seed)
+    eval_tasks = agent.split("eval", EVAL_NUM, seed)
+
+    def batch(idx: list[int]) -> dict[str, torch.Tensor]:
+        return inputs(*pad_batch(tokenizer, [tool_episodes.demonstration(tokenizer, agent, q, e)
+                                             for _, q, e in (train[i] for i in idx)]))
+
+    return Curriculum(TRAIN_NUM, batch,
+                      lambda model: tool_episodes.greedy_success(model, tokenizer, agent, eval_tasks, generate))
 
 
 def inputs(ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -271,14 +277,16 @@ def main(argv: list[str] | None = None) -> int:
     style.add_argument("--chat", action="store_true", help="addition through the chat template")
     style.add_argument("--vision", action="store_true",
                        help="a tiny LLaVA (SigLIP vision tower + this Qwen3) counting shapes in drawn pictures")
-    style.add_argument("--tools", action="store_true",
-                       help="the calculator agent's tool-using episodes (examples/agents) through the chat template")
+    style.add_argument("--tools", action="store_const", dest="agent", const="calculator",
+                       help="the calculator agent's tool-using episodes (examples/agents): --agent calculator")
+    style.add_argument("--agent", choices=["calculator", "code", "search"],
+                       help="an example agent's tool-using episodes (examples/agents) through the chat template")
     ap.add_argument("--layers", type=int, default=MODEL.num_hidden_layers)
     ap.add_argument("--experts", type=int, default=0, help="> 0: a Qwen3-MoE with this many top-2 experts a layer")
     ap.add_argument("--eval-every", type=int, default=SFT_EVAL_EVERY, help="SFT steps between held-out evaluations")
     args = ap.parse_args(argv)
     global PROMPT_STYLE
-    PROMPT_STYLE = "tools" if args.tools else "chat" if args.chat else "raw"
+    PROMPT_STYLE = "tools" if args.agent else "chat" if args.chat else "raw"
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     text = dataclasses.replace(MODEL, num_hidden_layers=args.layers, num_experts=args.experts)
@@ -292,12 +300,12 @@ def main(argv: list[str] | None = None) -> int:
         curriculum = vision_curriculum(processor, args.seed, vlm.image_size)
     else:
         tokenizer, model = build(args.seed, text)
-        processor, curriculum = tokenizer, tool_curriculum(tokenizer, args.seed) if args.tools else None
+        processor, curriculum = tokenizer, tool_curriculum(tokenizer, args.seed, args.agent) if args.agent else None
     summary = sft(model, tokenizer, args.seed, lr=args.lr, max_steps=args.max_steps, band=tuple(args.band), log=log,
                   curriculum=curriculum, eval_every=args.eval_every)
     save(model, processor, args.out)
     print(json.dumps({
-        "out": str(args.out), "seed": args.seed, "prompt_style": PROMPT_STYLE, "heldout_acc": summary["heldout_acc"],
+        "out": str(args.out), "seed": args.seed, "prompt_style": PROMPT_STYLE, "agent": args.agent, "heldout_acc": summary["heldout_acc"],
         "sft_steps": summary["sft_steps"], "sft_loss": summary["sft_loss"],
         "params": sum(p.numel() for p in model.parameters()), "vocab_size": model.get_output_embeddings().weight.shape[0],
         "seconds": round(time.perf_counter() - t0, 2),

@@ -73,7 +73,7 @@ top, in `dataset` or in a service's section, stops the launcher naming its path 
 
 | key | meaning |
 |---|---|
-| `model` | the model every service uses (rollout engine, trainer, the builder's and reward's tokenizers): a built-in name (`tiny-qwen3`, `tiny-qwen3-chat`, `tiny-qwen3-tools`, `tiny-qwen3-moe`, built locally once per seed) or a Hugging Face model directory (config, safetensors, tokenizer) |
+| `model` | the model every service uses (rollout engine, trainer, the builder's and reward's tokenizers): a built-in name (`tiny-qwen3`, `tiny-qwen3-chat`, `tiny-qwen3-tools`, `tiny-qwen3-code`, `tiny-qwen3-search`, `tiny-qwen3-moe`, built locally once per seed) or a Hugging Face model directory (config, safetensors, tokenizer) |
 | `dtype` | `float32` (default) or `bfloat16`: the rollout engine's weights and the trainer's compute |
 | `device` | `cpu` (default), `cuda`, `npu`, or `cuda:N` / `npu:N`: where the rollout engine and the trainer run (their own `device` wins); `npu` needs `torch_npu` |
 | `dataset` | the builder's `dataset` section ([`builder.dataset`](#builderdataset)); set it here or there, not both |

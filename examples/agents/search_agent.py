@@ -53,11 +53,20 @@ def search(query: str) -> str:
     return "\n".join(f"[{n + 1}] {doc}" for n, doc in enumerate(hits)) or "no results"
 
 
+def grading(answer: str) -> dict:
+    return {"verifier": "exact", "answer": answer, "extract": "tag",
+            "verifier_options": {"casefold": True, "strip_period": True}}
+
+
+@functools.cache
+def questions(held_out: bool = False) -> list[search_corpus.Question]:
+    return [q for q in world().questions if q.held_out == held_out]
+
+
 def question_task(rng: random.Random) -> tuple[str, str, dict]:
-    q = rng.choice(world().questions)
-    grading = {"verifier": "exact", "answer": q.answer, "extract": "tag",
-               "verifier_options": {"casefold": True, "strip_period": True}}
-    return q.id, q.text, grading
+    """A training question (the held-out people's are never asked)."""
+    q = rng.choice(questions())
+    return q.id, q.text, grading(q.answer)
 
 
 TASKS = {"questions": TaskSpec(question_task, SYSTEM, True, "one- and two-hop questions over the corpus", graded=True)}

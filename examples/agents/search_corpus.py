@@ -3,7 +3,8 @@ questions whose answers need one or two lookups in it. Pure: the same seed gives
 
 People are born in towns, towns lie in regions; an entry says one fact. "Where was X born?" needs X's entry;
 "In which region was X born?" needs X's entry, then the town's. Names are made of invented syllables, so a
-model cannot know the answers: it has to search.
+model cannot know the answers: it has to search. One person in five is held out: their questions are never asked
+in training (`Question.held_out`), so an evaluation on them needs names the model has never seen.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class Question:
     text: str
     answer: str
     hops: int
+    held_out: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,15 +31,17 @@ class World:
     questions: list[Question]
 
 
-def _name(rng: random.Random, used: set[str], parts: int) -> str:
+def _name(rng: random.Random, used: set[str], parts: int, *, unique: bool = True) -> str:
     while True:
         name = "".join(rng.choice(_SYLLABLES) for _ in range(parts)).capitalize()
         if name not in used:
-            used.add(name)
+            if unique:
+                used.add(name)
             return name
 
 
-def build(seed: int = 0, *, people: int = 60, towns: int = 20, regions: int = 6) -> World:
+def build(seed: int = 0, *, people: int = 400, towns: int = 40, regions: int = 8) -> World:
+    """Place names and family names are unique; first names repeat but never name a place."""
     rng = random.Random(seed)
     used: set[str] = set()
     region_names = [_name(rng, used, 3) for _ in range(regions)]
@@ -47,10 +51,10 @@ def build(seed: int = 0, *, people: int = 60, towns: int = 20, regions: int = 6)
              region_names]
     questions = []
     for i in range(people):
-        person = f"{_name(rng, used, 2)} {_name(rng, used, 3)}"
+        person = f"{_name(rng, used, 2, unique=False)} {_name(rng, used, 3)}"
         town = rng.choice(list(town_region))
         docs.append(f"{person} was {rng.choice(JOBS)} born in {town}.")
-        questions.append(Question(f"born-{i}", f"Where was {person} born?", town, 1))
-        questions.append(Question(f"region-{i}", f"In which region was {person} born?", town_region[town], 2))
+        questions.append(Question(f"born-{i}", f"Where was {person} born?", town, 1, i % 5 == 0))
+        questions.append(Question(f"region-{i}", f"In which region was {person} born?", town_region[town], 2, i % 5 == 0))
     rng.shuffle(docs)
     return World(docs, questions)

@@ -26,6 +26,11 @@ def call(name: str, **arguments: str) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
+STRING_BODIES = {r"s reversed": "s[::-1]", r"s in upper case": "s.upper()", r"s repeated (\d+) times": "s * {0}",
+                 r"how many times '(\w)' occurs in s": "s.count('{0}')", r"the first (\d+) characters of s": "s[:{0}]",
+                 r"s with every '(\w)' replaced by '(\w)'": "s.replace('{0}', '{1}')"}
+
+
 def function_solver(prompt: str, forced: str = "") -> str:
     """Solves the code agent's generated tasks; tries the function with run_python once before answering."""
     linear = re.findall(r"f\(x\) that returns (-?\d+) \* x \+ (-?\d+)\.", prompt)
@@ -34,10 +39,8 @@ def function_solver(prompt: str, forced: str = "") -> str:
         program = f"def f(x):\n    return {a} * x + {b}\n"
     else:
         what = re.findall(r"g\(s\) that returns (.+?)\.\s*<\|im_end\|>", prompt)[-1]
-        body = {"s reversed": "s[::-1]", "s in upper case": "s.upper()",
-                "how many times 'a' occurs in s": "s.count('a')"}.get(what)
-        if body is None:
-            body = "s * " + re.fullmatch(r"s repeated (\d+) times", what).group(1)
+        body = next(body.format(*m.groups()) for pattern, body in STRING_BODIES.items()
+                    if (m := re.fullmatch(pattern, what)))
         program = f"def g(s):\n    return {body}\n"
     if not TOOL_RESULTS.search(prompt):
         return call("run_python", code=program + "print('ran')")

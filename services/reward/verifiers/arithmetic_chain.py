@@ -15,6 +15,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from services.reward.verifiers import pyparse
 from services.reward.verifiers.base import (
     NoOptions,
     StepVerdict,
@@ -38,7 +39,7 @@ def evaluate(expression: str) -> float | None:
     if len(expression) > MAX_EXPRESSION:
         return None
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
+        tree = pyparse.parse(expression.strip(), mode="eval")
     except SyntaxError:
         return None
 

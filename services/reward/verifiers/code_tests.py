@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from services.common.errors import FieldError
+from services.reward.verifiers import pyparse
 from services.reward.verifiers.base import Verdict
 from services.reward.verifiers.code import (
     SandboxedVerifier,
@@ -56,7 +57,7 @@ class Plan:
 def plan(tests: str, entry: str | None, partial: bool) -> Plan:
     """The cases of `tests`, split when `partial` and they split (each top-level assert of `check`'s body, or of
     the tests); else one case, all the tests. Computed here, so the sandbox never decides `total`."""
-    module = ast.parse(tests)
+    module = pyparse.parse(tests)
     names = sorted(_free_names(module))
     split = _split(module, entry) if partial else None
     if split is None:
@@ -104,7 +105,7 @@ class CodeTestsVerifier(SandboxedVerifier):
         if task_language(task) != "python":
             raise FieldError("grading.language", "code_tests runs Python tests only")
         try:
-            ast.parse(required_text(task, "tests"))
+            pyparse.parse(required_text(task, "tests"))
         except SyntaxError as exc:
             raise FieldError("grading.tests", f"not valid Python ({exc.msg}, line {exc.lineno})") from None
         entry = task_field(task, "entry_point")

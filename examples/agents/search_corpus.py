@@ -54,7 +54,8 @@ def build(seed: int = 0, *, people: int = 400, towns: int = 40, regions: int = 8
         person = f"{_name(rng, used, 2, unique=False)} {_name(rng, used, 3)}"
         town = rng.choice(list(town_region))
         docs.append(f"{person} was {rng.choice(JOBS)} born in {town}.")
-        questions.append(Question(f"born-{i}", f"Where was {person} born?", town, 1, i % 5 == 0))
-        questions.append(Question(f"region-{i}", f"In which region was {person} born?", town_region[town], 2, i % 5 == 0))
+        held_out = i % 5 == 0
+        questions.append(Question(f"born-{i}", f"Where was {person} born?", town, 1, held_out))
+        questions.append(Question(f"region-{i}", f"In which region was {person} born?", town_region[town], 2, held_out))
     rng.shuffle(docs)
     return World(docs, questions)

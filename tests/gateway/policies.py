@@ -141,3 +141,15 @@ def _last_index(seq: list[int], sub: list[int]) -> int:
         if seq[i:i + len(sub)] == sub:
             return i
     return -1
+
+
+def demonstration_steps(agent, tasks) -> Callable[[str], object]:
+    """The step of a demonstrated episode (scripts/tool_episodes.py's `agent.steps`) that a prompt has reached: its
+    task found by the question in the prompt, the step after as many tool results as the prompt holds. `tasks`:
+    (question, expected) pairs."""
+    episodes = {question: agent.steps(question, expected) for question, expected in tasks}
+
+    def step(prompt: str):
+        question = next(q for q in episodes if f"user\n{q}<|im_end|>" in prompt)
+        return episodes[question][prompt.count("<tool_response>")]
+    return step

@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import tool_episodes  # noqa: E402
 
 from services.trainer.models import build_tokenizer  # noqa: E402
+from tests.gateway.policies import demonstration_steps  # noqa: E402
 
 AGENTS = sorted(tool_episodes.AGENTS)
 
@@ -68,16 +69,14 @@ class Replay:
     or with a wrong final answer."""
 
     def __init__(self, tok, agent, tasks, *, wrong_answer: bool = False):
-        self.tok, self.agent, self.wrong = tok, agent, wrong_answer
-        self.steps = {question: agent.steps(question, expected) for _, question, expected in tasks}
+        self.tok, self.wrong = tok, wrong_answer
+        self.step = demonstration_steps(agent, [(question, expected) for _, question, expected in tasks])
 
     def __call__(self, model, tokenizer, prompts, max_new_tokens):
         end = self.tok.convert_tokens_to_ids(tool_episodes.IM_END)
         out = []
         for prompt in prompts:
-            text = self.tok.decode(prompt)
-            question = next(q for q in self.steps if f"user\n{q}<|im_end|>" in text)
-            step = self.steps[question][text.count("<tool_response>")]
+            step = self.step(self.tok.decode(prompt))
             reply = "<answer>nobody</answer>```python\ndef f(x):\n    return 0\n```Answer: 0.5" \
                 if self.wrong and step.tool is None else step.text
             out.append(self.tok.encode(reply, add_special_tokens=False)[:max_new_tokens] + [end])

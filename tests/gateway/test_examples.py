@@ -13,7 +13,7 @@ import pytest
 
 from services.reward.client import RewardClient
 from tests.gateway.harness import ADMIN, GatewayServer, RewardServer
-from tests.gateway.policies import arithmetic_replies, scripted_engine
+from tests.gateway.policies import arithmetic_replies, demonstration_steps, scripted_engine
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "agents"
 sys.path[:0] = [str(EXAMPLES), str(EXAMPLES.parents[1] / "scripts")]
@@ -92,13 +92,9 @@ WARM_STARTED = {"openai_calculator_agent.py": ("calculator", calculator_tasks),
 
 
 def replay_demonstrations(agent: tool_episodes.Agent, tasks: dict):
-    """A policy that writes the warm start's demonstration: the step after as many tool results as the prompt holds."""
-    episodes = {question: agent.steps(question, expected) for question, expected in tasks.values()}
-
-    def replies(prompt: str, forced: str = "") -> str:
-        question = next(q for q in episodes if f"user\n{q}<|im_end|>" in prompt)
-        return episodes[question][prompt.count("<tool_response>")].text
-    return replies
+    """A policy that writes the warm start's demonstration of each task."""
+    step = demonstration_steps(agent, tasks.values())
+    return lambda prompt, forced="": step(prompt).text
 
 
 @pytest.fixture(scope="module")

@@ -21,9 +21,12 @@ TOOLS = [{"name": t["function"]["name"], "description": t["function"]["descripti
 
 
 def episode(client: Anthropic, model: str, question: str, max_turns: int, max_tokens: int, *,
-            system: str | None = SYSTEM, use_tools: bool = True) -> tuple[str, int, int]:
+            system: str | None = SYSTEM, use_tools: bool = True,
+            temperature: float | None = None) -> tuple[str, int, int]:
     messages: list[dict] = [{"role": "user", "content": question}]
-    options = {**({"system": system} if system else {}), **({"tools": TOOLS} if use_tools else {})}
+    # anthropic 2.x's create() no longer names `temperature`; the Messages API (and the gateway) still read it
+    options = {**({"system": system} if system else {}), **({"tools": TOOLS} if use_tools else {}),
+               **({"extra_body": {"temperature": temperature}} if temperature is not None else {})}
     calls = 0
     for turn in range(1, max_turns + 1):
         reply = client.messages.create(model=model, messages=messages, max_tokens=max_tokens, **options)

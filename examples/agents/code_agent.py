@@ -155,7 +155,8 @@ class Client:
 
 
 def episode(client: Client, model: str, question: str, max_turns: int, max_tokens: int, *,
-            system: str | None = SYSTEM, use_tools: bool = True) -> tuple[str, int, int]:
+            system: str | None = SYSTEM, use_tools: bool = True,
+            temperature: float | None = None) -> tuple[str, int, int]:
     """Returns (final answer text, model calls, tool calls)."""
     def run(name: str, args: dict | str) -> str:
         code = args.get("code") if isinstance(args, dict) else None
@@ -164,7 +165,8 @@ def episode(client: Client, model: str, question: str, max_turns: int, max_token
         return client.run_python(code)
 
     return chat_episode(client.openai, model, question, max_turns, max_tokens, system=system,
-                        tools=TOOLS if use_tools else None, run=run)
+                        tools=TOOLS if use_tools else None, run=run,
+                        temperature=temperature)
 
 
 def main() -> None:

@@ -53,6 +53,9 @@ def arguments(description: str, extra: Callable[[argparse.ArgumentParser], None]
     p.add_argument("--parallel", type=int, default=1, help="episodes played at once (whole groups are started)")
     p.add_argument("--max-turns", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature sent with every model call (default: not sent, the API's 1.0); the "
+                        "trainer's must match (a run config's builder.sampling.temperature)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="meshrl-policy")
     p.add_argument("--task", choices=sorted(tasks), default=next(iter(tasks)),
@@ -150,7 +153,8 @@ def run_tool(name: str, args: dict | str) -> str:
 
 
 def chat_episode(client, model: str, question: str, max_turns: int, max_tokens: int, *, system: str | None,
-                 tools: list[dict] | None, run: Callable[[str, dict | str], str]) -> tuple[str, int, int]:
+                 tools: list[dict] | None, run: Callable[[str, dict | str], str],
+                 temperature: float | None = None) -> tuple[str, int, int]:
     """One episode with an OpenAI-SDK client: call the model, run its tool calls with `run(name, arguments)`
     (arguments as parsed JSON, or the raw text when it is not JSON), until it answers without one. Returns
     (final answer text, model calls, tool calls)."""
@@ -158,7 +162,8 @@ def chat_episode(client, model: str, question: str, max_turns: int, max_tokens: 
                             {"role": "user", "content": question}]
     calls = 0
     for turn in range(1, max_turns + 1):
-        message = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+        sampling = {"temperature": temperature} if temperature is not None else {}
+        message = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, **sampling,
                                                  **({"tools": tools} if tools else {})).choices[0].message
         messages.append(message.model_dump(exclude_none=True))  # sent back verbatim: the gateway reuses its tokens
         if not message.tool_calls:
@@ -220,6 +225,8 @@ def play(args: argparse.Namespace, make_client, episode, tasks: dict | None = No
     reward (the agent's own, or its verifier's for a graded task), one JSON line each."""
     rng = random.Random(args.seed)
     spec = (TASKS if tasks is None else tasks)[args.task]
+    # the SDK agents send it; an agent whose episode takes no temperature refuses the flag (a TypeError)
+    sampling = {"temperature": args.temperature} if getattr(args, "temperature", None) is not None else {}
     rewards: list[float] = []
     episodes: list[int] = []
     lock = threading.Lock()
@@ -227,7 +234,7 @@ def play(args: argparse.Namespace, make_client, episode, tasks: dict | None = No
     def one(key: str, task_id: str, question: str, expected: Any) -> None:
         started_at = time.monotonic()
         answer, turns, tools = episode(make_client(key), args.model, question, args.max_turns, args.max_tokens,
-                                       system=spec.system, use_tools=spec.tools)
+                                       system=spec.system, use_tools=spec.tools, **sampling)
         value = None if spec.graded else reward(answer, expected)
         ended = finish(args, key, value)
         with lock:

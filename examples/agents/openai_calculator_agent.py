@@ -18,10 +18,12 @@ from common import SYSTEM, TOOLS, arguments, chat_episode, play, run_tool  # noq
 
 
 def episode(client: OpenAI, model: str, question: str, max_turns: int, max_tokens: int, *,
-            system: str | None = SYSTEM, use_tools: bool = True) -> tuple[str, int, int]:
+            system: str | None = SYSTEM, use_tools: bool = True,
+            temperature: float | None = None) -> tuple[str, int, int]:
     """Returns (final answer text, model calls, tool calls)."""
     return chat_episode(client, model, question, max_turns, max_tokens, system=system,
-                        tools=TOOLS if use_tools else None, run=run_tool)
+                        tools=TOOLS if use_tools else None, run=run_tool,
+                        temperature=temperature)
 
 
 def main() -> None:

@@ -44,11 +44,12 @@ def solver_gw(tok):
 @pytest.mark.parametrize("script", AGENTS)
 def test_example_agent_calls_the_tool_and_earns_its_reward(solver_gw, script):
     before = len(solver_gw.published)
-    episodes = run_agent(solver_gw, script, "--episodes", "4", "--group-size", "2")
+    episodes = run_agent(solver_gw, script, "--episodes", "4", "--group-size", "2", "--temperature", "0.7")
     assert [e["reward"] for e in episodes] == [1.0] * 4
     assert all(e["tool_calls"] == 1 and e["turns"] == 2 for e in episodes)
     trajs = solver_gw.published[before:]
     assert len(trajs) == 4 and {t.group_size for t in trajs} == {2} and len({t.group_id for t in trajs}) == 2
+    assert {round(t.sampling.temperature, 6) for t in trajs} == {0.7}  # every turn sampled as --temperature asked
     assert all(t.reward == 1.0 and 0 in t.loss_mask for t in trajs)  # two turns: tool result tokens are masked
 
 

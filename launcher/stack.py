@@ -64,7 +64,7 @@ def nats_cluster_ports(ports: dict[str, int]) -> tuple[list[int], list[int]]:
 # name -> scripts/bootstrap_model.py flags; the agents' model starts higher so sampled groups carry signal
 MODELS = {"tiny-qwen3": [], "tiny-qwen3-chat": ["--chat", "--band", "0.3", "0.45"],
           "tiny-qwen3-tools": ["--tools", "--band", "0.3", "0.5", "--eval-every", "25"],
-          "tiny-qwen3-code": ["--agent", "code", "--band", "0.3", "0.5", "--eval-every", "25"],  # configs/code-agent.yaml
+          "tiny-qwen3-code": ["--agent", "code", "--band", "0.3", "0.5", "--eval-every", "10"],  # configs/code-agent.yaml
           "tiny-qwen3-search": ["--agent", "search", "--band", "0.3", "0.5", "--eval-every", "25"],
           "tiny-qwen3-moe": ["--experts", "4"],  # a Qwen3-MoE: 4 experts a layer, top-2 (configs/megatron-moe.yaml)
           # a LLaVA (SigLIP tower + the tiny Qwen3) counting shapes in pictures (configs/vlm.yaml); its SFT jumps

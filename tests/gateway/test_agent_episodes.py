@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -53,11 +54,18 @@ def test_held_out_tasks_are_never_trained_on():
         train = {t[0] for t in agent.split("train", 400, seed=0)}
         held = {t[0] for t in agent.split("eval", 200, seed=0)}
         assert train and held and not train & held, name
-    code = tool_episodes.AGENTS["code"]  # held-out code tasks are new parameters of kinds trained on
+    code = tool_episodes.AGENTS["code"]  # held-out code tasks combine values each trained in its place
 
-    def kinds(tasks):
-        return {"linear" if t[0].startswith("linear") else "-".join(t[0].split("-")[:2]) for t in tasks}
-    assert kinds(code.split("eval", 200, seed=0)) <= kinds(code.split("train", 400, seed=0))
+    def places(tasks):  # {(kind, place, value)}
+        out = set()
+        for task_id, *_ in tasks:
+            linear = re.fullmatch(r"linear-(-?\d+)-(-?\d+)", task_id)
+            kind, values = ("linear", linear.groups()) if linear else ("replace", task_id.removeprefix("string-replace-"))
+            out |= {(kind, i, v) for i, v in enumerate(values)}
+        return out
+    held_code = code.split("eval", 200, seed=0)
+    assert all(t[0].startswith(("linear-", "string-replace-")) for t in held_code)
+    assert places(held_code) <= places(code.split("train", 3000, seed=0))
     rng = random.Random(7)  # what the agents themselves ask in training
     assert not any(code_agent.held_out(code_agent.generated_task(rng)[0]) for _ in range(300))
     held_people = {q.id for q in search_agent.questions(held_out=True)}

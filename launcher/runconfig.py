@@ -308,7 +308,8 @@ class RunPlan:
                  f"total_steps {builder.total_steps or 'unbounded'}", f"eta {builder.max_staleness}",
                  f"batch {builder.batch_size}x{builder.group_size}",
                  f"temperature {builder.sampling.temperature:g}",
-                 f"max_new_tokens {builder.sampling.max_new_tokens}",
+                 # an online run's prompts and lengths are its agents' (their max_tokens), not the builder's
+                 f"max_new_tokens {builder.sampling.max_new_tokens if builder.source != 'online' else 'the agents'}",
                  f"dynamic_sampling {'on' if builder.dynamic_sampling else 'off'}",
                  f"engine {self.configs['rollout'].engine.kind}",
                  f"gateway {'on' if self.configs['rollout'].gateway_enabled else 'off'}"]

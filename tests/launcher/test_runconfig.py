@@ -238,3 +238,15 @@ def test_a_preference_dataset_needs_a_pairwise_preset(stack, tmp_path):
         config(stack, "builder", {"dataset": dataset})
     assert config(stack, "builder", {"dataset": dataset, "services": {"trainer": {"algo": "dpo"}}})["dataset"][
         "preference"] is True
+
+
+def test_the_settings_line_names_whose_lengths_an_online_run_uses(stack):
+    """An agent run's completion lengths are its agents' --max-tokens: the line does not print the builder's unused
+    default; a dataset run prints its own, and both print the temperature the trainer computes at."""
+    agents = stack.derive(RunConfig.from_dict({"services": {"builder": {"source": "online",
+                                                                        "sampling": {"temperature": 0.7}}}}),
+                          seed=0, model_path=ROOT / "model").describe()
+    assert "max_new_tokens the agents" in agents and "temperature 0.7" in agents
+    dataset = stack.derive(RunConfig.from_dict({"services": {"builder": {"sampling": {"max_new_tokens": 12}}}}),
+                           seed=0, model_path=ROOT / "model").describe()
+    assert "max_new_tokens 12," in dataset

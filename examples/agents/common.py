@@ -10,6 +10,7 @@ import argparse
 import ast
 import concurrent.futures
 import dataclasses
+import inspect
 import json
 import operator
 import os
@@ -225,8 +226,9 @@ def play(args: argparse.Namespace, make_client, episode, tasks: dict | None = No
     reward (the agent's own, or its verifier's for a graded task), one JSON line each."""
     rng = random.Random(args.seed)
     spec = (TASKS if tasks is None else tasks)[args.task]
-    # the SDK agents send it; an agent whose episode takes no temperature refuses the flag (a TypeError)
     sampling = {"temperature": args.temperature} if getattr(args, "temperature", None) is not None else {}
+    if sampling and "temperature" not in inspect.signature(episode).parameters:
+        sys.exit(f"--temperature: {Path(sys.argv[0]).name} does not set its model's temperature (the SDK agents do)")
     rewards: list[float] = []
     episodes: list[int] = []
     lock = threading.Lock()

@@ -183,3 +183,14 @@ def test_the_stand_alone_dev_gateway_serves_an_example_agent_and_prints_its_traj
     assert len(lines) == 2 and all(line["completion_tokens"] > 0 and line["prompt_tokens"] > 0 for line in lines), \
         printed[-3000:]
     assert "gateway_publish_failed" not in printed
+
+
+def test_temperature_is_refused_by_name_for_an_agent_that_cannot_send_it():
+    import argparse
+
+    def no_temperature(client, model, question, max_turns, max_tokens, *, system, use_tools):
+        raise AssertionError("never played")
+
+    args = argparse.Namespace(seed=0, task="calculator", temperature=0.7, episodes=1, parallel=1)
+    with pytest.raises(SystemExit, match="--temperature: .* does not set its model's temperature"):
+        common.play(args, lambda key: key, no_temperature)

@@ -161,9 +161,9 @@ def chat_episode(client, model: str, question: str, max_turns: int, max_tokens: 
     (final answer text, model calls, tool calls)."""
     messages: list[dict] = [*([{"role": "system", "content": system}] if system else []),
                             {"role": "user", "content": question}]
+    sampling = {"temperature": temperature} if temperature is not None else {}
     calls = 0
     for turn in range(1, max_turns + 1):
-        sampling = {"temperature": temperature} if temperature is not None else {}
         message = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, **sampling,
                                                  **({"tools": tools} if tools else {})).choices[0].message
         messages.append(message.model_dump(exclude_none=True))  # sent back verbatim: the gateway reuses its tokens
@@ -226,7 +226,7 @@ def play(args: argparse.Namespace, make_client, episode, tasks: dict | None = No
     reward (the agent's own, or its verifier's for a graded task), one JSON line each."""
     rng = random.Random(args.seed)
     spec = (TASKS if tasks is None else tasks)[args.task]
-    sampling = {"temperature": args.temperature} if getattr(args, "temperature", None) is not None else {}
+    sampling = {"temperature": args.temperature} if args.temperature is not None else {}
     if sampling and "temperature" not in inspect.signature(episode).parameters:
         sys.exit(f"--temperature: {Path(sys.argv[0]).name} does not set its model's temperature (the SDK agents do)")
     rewards: list[float] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import subprocess
@@ -186,8 +187,6 @@ def test_the_stand_alone_dev_gateway_serves_an_example_agent_and_prints_its_traj
 
 
 def test_temperature_is_refused_by_name_for_an_agent_that_cannot_send_it():
-    import argparse
-
     def no_temperature(client, model, question, max_turns, max_tokens, *, system, use_tools):
         raise AssertionError("never played")
 

@@ -28,6 +28,26 @@ def agent_command(entry: str) -> tuple[pathlib.Path, list[str]]:
     return path, own
 
 
+def sent_temperature(args: list[str]) -> float | None:
+    """The `--temperature` an agent's arguments give it (the last one wins, as in argparse), if any."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == "--temperature" and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith("--temperature="):
+            value = arg.partition("=")[2]
+    try:
+        return None if value is None else float(value)
+    except ValueError:
+        raise ValueError(f"--temperature: must be a number, got {value!r}") from None
+
+
+def temperature_env(temperature: float) -> dict[str, str]:
+    """What tells the agents the run's sampling temperature (examples/agents/common.py reads it as --temperature's
+    default). At the API's default, 1.0, nothing: agents that cannot set a temperature still run then."""
+    return {} if temperature == 1.0 else {"MESHRL_TEMPERATURE": repr(float(temperature))}
+
+
 class AgentDriver:
     """Runs every configured agent script at once, each in a loop of fresh processes, until stopped."""
 

@@ -216,6 +216,7 @@ class RunConfig:
                 raise ConfigError(f"services.{follower}.{key}", f"{mine!r} differs from services.{owner}.{owner_key} "
                                   f"({value!r}); it is set once, as services.{owner}.{owner_key}")
             _set(values[follower], key, value)
+        self._check_agent_temperature(configs["builder"].sampling.temperature)
         configs.update({s: build_config(config_class(s), values[s], f"services.{s}") for s in SERVICES
                         if s != "builder"})
         configs["rollout"] = _adapter_sync(configs["trainer"], configs["rollout"], sections["rollout"])
@@ -240,6 +241,25 @@ class RunConfig:
         if service == "builder":
             return {"seed": seed, **({"dataset": self.dataset} if self.dataset is not None else {})}
         return {}
+
+    def _check_agent_temperature(self, temperature: float) -> None:
+        """The agents sample at the builder's temperature (the launcher passes it to them, and the trainer's
+        log-probs are at it): an agent argument that says otherwise would have every batch skipped as sampled at
+        another temperature."""
+        import shlex
+
+        from launcher.agents import sent_temperature
+
+        sources = [("agent_args", [str(a) for a in self.agent_args]),
+                   *((f"agents[{i}]", shlex.split(entry)[1:]) for i, entry in enumerate(self.agents))]
+        for field, args in sources:
+            try:
+                sent = sent_temperature(args)
+            except ValueError as exc:
+                raise ConfigError(field, str(exc)) from None
+            if sent is not None and sent != temperature:
+                raise ConfigError(field, f"--temperature {sent:g} differs from services.builder.sampling.temperature "
+                                         f"({temperature:g}); it is set once, there (the agents are given it)")
 
     @staticmethod
     def _dynamic_sampling(trainer: dict[str, Any]) -> bool:

@@ -20,7 +20,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from launcher import preflight
-from launcher.agents import AgentDriver
+from launcher.agents import AgentDriver, temperature_env
 from launcher.cpu import tree_cpu_seconds
 from launcher.frozen import FrozenModel, FrozenModels
 from launcher.processes import NatsCluster, NatsServer, TrainerRanks, free_port, popen
@@ -511,7 +511,8 @@ def run(config: str, *, name: str, seed: int = 0, algo: str = "", ports: dict[st
         if run_config.agents:
             agents = AgentDriver(run_config.agents, run_config.agent_args, log_path=run_dir / "logs" / "agents.log",
                                  gateway_url=f"http://127.0.0.1:{stack.ports['gateway']}",
-                                 env=frozen.env() if frozen is not None else {})
+                                 env={**(frozen.env() if frozen is not None else {}),
+                                      **temperature_env(plan.configs["builder"].sampling.temperature)})
             agents.start()
         completed = asyncio.run(watch_run(stack, events, total_steps=plan.total_steps,
                                           timeout=run_config.timeout_seconds, progress=progress))

@@ -54,9 +54,10 @@ def arguments(description: str, extra: Callable[[argparse.ArgumentParser], None]
     p.add_argument("--parallel", type=int, default=1, help="episodes played at once (whole groups are started)")
     p.add_argument("--max-turns", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=None,
-                   help="sampling temperature sent with every model call (default: not sent, the API's 1.0); the "
-                        "trainer's must match (a run config's builder.sampling.temperature)")
+    p.add_argument("--temperature", type=float, default=_env_float("MESHRL_TEMPERATURE"),
+                   help="sampling temperature sent with every model call (env MESHRL_TEMPERATURE, which `meshrl run` "
+                        "sets to the run's builder.sampling.temperature; default: not sent, the API's 1.0); the "
+                        "trainer's log-probs are at the run's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="meshrl-policy")
     p.add_argument("--task", choices=sorted(tasks), default=next(iter(tasks)),
@@ -71,6 +72,17 @@ def arguments(description: str, extra: Callable[[argparse.ArgumentParser], None]
         p.error("no admin key: pass --admin-key or --admin-key-file, or set MESHRL_ADMIN_KEY / MESHRL_ADMIN_KEY_FILE "
                 "(a gateway that generated its key says where it wrote it when it starts)")
     return args
+
+
+def _env_float(name: str) -> float | None:
+    """A float flag's default from the environment; exits naming the variable when it is not a number."""
+    value = os.environ.get(name)
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        sys.exit(f"{name}: must be a number, got {value!r}")
 
 
 def run_in_environment(script: str, module: str, venv: str, make_target: str) -> None:
@@ -228,7 +240,8 @@ def play(args: argparse.Namespace, make_client, episode, tasks: dict | None = No
     spec = (TASKS if tasks is None else tasks)[args.task]
     sampling = {"temperature": args.temperature} if args.temperature is not None else {}
     if sampling and "temperature" not in inspect.signature(episode).parameters:
-        sys.exit(f"--temperature: {Path(sys.argv[0]).name} does not set its model's temperature (the SDK agents do)")
+        sys.exit(f"--temperature (or MESHRL_TEMPERATURE, a run's builder.sampling.temperature): "
+                 f"{Path(sys.argv[0]).name} does not set its model's temperature (the SDK agents do)")
     rewards: list[float] = []
     episodes: list[int] = []
     lock = threading.Lock()

@@ -101,7 +101,7 @@ class Scorer:
         return self._verify(self._check(verifier, response, task, n_tokens=n_tokens, field=field))
 
     def _check(self, verifier: str, response: str, task: Mapping[str, Any], *, n_tokens: int | None,
-               field: str) -> _Checked:
+               field: str, ids: list[int] | None = None, first_token: int = 0) -> _Checked:
         """Everything before the verification itself, and its bounded-time answer when there is one."""
         name = verifier or self.default
         v = self.verifier(name, field)
@@ -111,7 +111,8 @@ class Scorer:
             if self.count_tokens is None:
                 raise FieldError("grading.shaping", "max_tokens needs a token count here (use max_chars)")
             n_tokens = self.count_tokens(response)
-        return _Checked(name, v, response, task, terms, n_tokens, self._quick(v, response, task))
+        return _Checked(name, v, response, task, terms, n_tokens, self._quick(v, response, task), ids or [],
+                        first_token)
 
     def _verify(self, c: _Checked) -> Verdict:
         verdict = c.quick
@@ -144,17 +145,25 @@ class Scorer:
         Then they are verified together: settled on the loop when a bounded-time check answers (no thread hop),
         else on worker threads at once (each up to its deadline)."""
         checked = [_named(traj, self._check_trajectory, traj) for traj in members]
-
-        async def verify(traj: data_pb2.Trajectory, c: _Checked) -> data_pb2.Trajectory:
-            if c.quick is not None:
-                verdict = _named(traj, self._verify, c)
+        scored: list[data_pb2.Trajectory | None] = [None] * len(members)
+        slow = []
+        for k, (traj, c) in enumerate(zip(members, checked, strict=True)):
+            verdict = _named(traj, self._verify, c) if c.quick is not None else None
+            if verdict is not None and not verdict.steps:   # the common case: settled here, no task, no thread
+                scored[k] = _named(traj, self._scored, traj, c, verdict)
             else:
+                slow.append((k, traj, c, verdict))
+
+        async def verify(traj: data_pb2.Trajectory, c: _Checked, verdict: Verdict | None) -> data_pb2.Trajectory:
+            if verdict is None:
                 verdict = await asyncio.to_thread(_named, traj, self._verify, c)
             if verdict.steps:   # placing steps decodes prefixes of the response: off the event loop
                 return await asyncio.to_thread(_named, traj, self._scored, traj, c, verdict)
             return _named(traj, self._scored, traj, c, verdict)
 
-        return list(await asyncio.gather(*(verify(t, c) for t, c in zip(members, checked, strict=True))))
+        for (k, *_), done in zip(slow, await asyncio.gather(*(verify(t, c, v) for _, t, c, v in slow)), strict=True):
+            scored[k] = done
+        return scored  # type: ignore[return-value]  # every slot filled above
 
     def _scored(self, traj: data_pb2.Trajectory, checked: _Checked, verdict: Verdict) -> data_pb2.Trajectory:
         """`add_reward`: the trajectory's own reward (an agent's, from the gateway) on top of the verifier's. The
@@ -185,8 +194,7 @@ class Scorer:
             text = self.decode(ids)
         except Exception as exc:  # noqa: BLE001 - whatever the tokenizer refuses, this message can never be scored
             raise InvalidMessage(f"completion_ids: cannot be decoded ({type(exc).__name__}: {exc})") from exc
-        checked = _as_invalid(self._check, name, text, task, n_tokens=len(ids), field=field)
-        return dataclasses.replace(checked, ids=ids, first_token=start)
+        return _as_invalid(self._check, name, text, task, n_tokens=len(ids), field=field, ids=ids, first_token=start)
 
     def step_rewards(self, traj: data_pb2.Trajectory, checked: _Checked, verdict: Verdict) -> list[data_pb2.StepReward]:
         """The verdict's steps on the completion tokens that end them: the fewest leading tokens of the response

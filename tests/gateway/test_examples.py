@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
@@ -28,9 +29,9 @@ FRAMEWORK_AGENTS = ["langchain_agent.py", "camel_agent.py"]  # LangChain, CAMEL-
 HAS_FRAMEWORKS = (EXAMPLES.parents[1] / ".venv-agents" / "bin" / "python").exists()
 
 
-def run_agent(gw, script: str, *extra: str) -> list[dict]:
+def run_agent(gw, script: str, *extra: str, env: dict[str, str] | None = None) -> list[dict]:
     out = subprocess.run([sys.executable, str(EXAMPLES / script), "--base-url", gw.url, "--admin-key", ADMIN, *extra],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
     assert out.returncode == 0, out.stderr[-3000:]
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
@@ -44,8 +45,11 @@ def solver_gw(tok):
 
 @pytest.mark.parametrize("script", AGENTS)
 def test_example_agent_calls_the_tool_and_earns_its_reward(solver_gw, script):
+    """The temperature comes as the flag for one agent, as the launcher passes a run's (MESHRL_TEMPERATURE) for
+    the other."""
     before = len(solver_gw.published)
-    episodes = run_agent(solver_gw, script, "--episodes", "4", "--group-size", "2", "--temperature", "0.7")
+    given = ((), {"MESHRL_TEMPERATURE": "0.7"}) if script.startswith("anthropic") else (("--temperature", "0.7"), {})
+    episodes = run_agent(solver_gw, script, "--episodes", "4", "--group-size", "2", *given[0], env=given[1])
     assert [e["reward"] for e in episodes] == [1.0] * 4
     assert all(e["tool_calls"] == 1 and e["turns"] == 2 for e in episodes)
     trajs = solver_gw.published[before:]
@@ -191,5 +195,6 @@ def test_temperature_is_refused_by_name_for_an_agent_that_cannot_send_it():
         raise AssertionError("never played")
 
     args = argparse.Namespace(seed=0, task="calculator", temperature=0.7, episodes=1, parallel=1)
-    with pytest.raises(SystemExit, match="--temperature: .* does not set its model's temperature"):
+    with pytest.raises(SystemExit, match=r"--temperature \(or MESHRL_TEMPERATURE.*\): .* does not set its model's "
+                                         r"temperature"):
         common.play(args, lambda key: key, no_temperature)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from launcher.agents import temperature_env
 from launcher.runconfig import RunConfig
 from launcher.runfile import UP_DEFAULTS, fill
 from launcher.stack import ROOT, UP_CONFIG, Stack, random_ports
@@ -250,3 +251,23 @@ def test_the_settings_line_names_whose_lengths_an_online_run_uses(stack):
     dataset = stack.derive(RunConfig.from_dict({"services": {"builder": {"sampling": {"max_new_tokens": 12}}}}),
                            seed=0, model_path=ROOT / "model").describe()
     assert "max_new_tokens 12," in dataset
+
+
+def test_the_agents_temperature_is_the_builders_set_once(stack):
+    """The launcher hands the agents the builder's temperature; an agent argument naming another is refused by
+    field (the trainer would skip every batch as sampled at another temperature), the same one is accepted."""
+    def derive(agents, agent_args):
+        run = RunConfig.from_dict({"agents": agents, "agent_args": agent_args,
+                                   "services": {"builder": {"source": "online", "sampling": {"temperature": 0.7}}}})
+        return stack.derive(run, seed=0, model_path=ROOT / "model")
+
+    with pytest.raises(ValueError, match=r"^agent_args: --temperature 1 differs from services.builder.sampling."
+                                         r"temperature \(0.7\)"):
+        derive(["code_agent.py"], ["--temperature", "1.0"])
+    with pytest.raises(ValueError, match=r"^agents\[1\]: --temperature 0.5 differs"):
+        derive(["code_agent.py", "search_agent.py --temperature=0.5"], [])
+    with pytest.raises(ValueError, match=r"^agent_args: --temperature: must be a number, got 'hot'"):
+        derive(["code_agent.py"], ["--temperature", "hot"])
+    assert derive(["code_agent.py --temperature 0.7"], ["--episodes", "4"]).configs["builder"].sampling.temperature \
+        == 0.7
+    assert temperature_env(0.7) == {"MESHRL_TEMPERATURE": "0.7"} and temperature_env(1.0) == {}

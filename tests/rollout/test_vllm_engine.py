@@ -307,6 +307,54 @@ async def test_delta_updates_send_only_what_changed_into_the_workers(engine, hf_
 
 
 @server_test
+async def test_lora_adapters_alone_travel_and_vllms_workers_merge_them(engine, hf_model):
+    """engine.lora with the trainer's lora.sync adapter: an engine that takes adapters, attached to the module's
+    server, has its workers pull the adapters' bytes alone; each rebuilds every parameter they touch (the fused
+    qkv_proj / gate_up_proj, packed again by vLLM's CPU kernels) from the checkpoint plus (B @ A) * alpha / r, and
+    vLLM then generates what peft's merged model gives in HF. The full checkpoint is sent back afterwards."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from services.rollout.engines.lora_merge import AdapterConfig
+    from services.rollout.engines.vllm_engine import VLLMConfig
+    from services.trainer.lora import adapter_tensors
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    peft_model = get_peft_model(copy.deepcopy(hf_model), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    adapters = adapter_tensors(peft_model)
+    with torch.no_grad():      # peft starts B at zero: a merge of that would change nothing
+        for name, t in adapters.items():
+            if ".lora_B." in name:
+                t.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(len(name)))
+    merged = peft_model.merge_and_unload().eval()
+    attached = VLLMConfig(url=engine.url, startup_timeout=60.0, request_timeout=300.0).build(
+        model_path=str(MODEL), max_batch=8, max_context=1024, dtype="float32", seed=0)
+    attached.take_adapters(AdapterConfig(r=4, alpha=8.0, target_modules=targets))
+    await asyncio.to_thread(attached.start)
+    base = engine.version
+    try:
+        assert {s.local_name for s in attached.receiver_shards} == set(adapters)
+        async with weight_exchange(attached, adapters) as wx:
+            reply = await wx.update(base + 1, transport="shm")
+        assert reply.bytes_moved == sum(t.numel() * 4 for t in adapters.values())   # ~2% of the model's bytes
+        layers = hf_model.config.num_hidden_layers   # per layer: qkv_proj, o_proj, gate_up_proj, down_proj
+        assert attached.last_update["in_place"] + attached.last_update["packed"] == 4 * layers
+        seq = (await attached.generate(PROMPT, Sampling(temperature=0.0, max_new_tokens=12)))[0]
+        assert seq.output_ids == _hf_greedy(merged, PROMPT, 12)[:len(seq.output_ids)]
+        ref = _hf_logprobs(merged, PROMPT, seq.output_ids)
+        assert max(abs(a - b) for a, b in zip(ref, seq.logprobs, strict=True)) < 1e-3
+        plain = _hf_logprobs(hf_model, PROMPT, seq.output_ids)   # the merge changed what vLLM computes
+        assert max(abs(a - b) for a, b in zip(plain, seq.logprobs, strict=True)) > 1e-2
+    finally:
+        attached.stop()     # attached: the server stays
+        async with weight_exchange(engine, dict(hf_model.named_parameters())) as wx:
+            await wx.update(base + 2)
+    seq = (await engine.generate(PROMPT, Sampling(temperature=0.0, max_new_tokens=12)))[0]
+    assert seq.output_ids == _hf_greedy(hf_model, PROMPT, 12)[:len(seq.output_ids)]
+
+
+@server_test
 async def test_a_failed_pull_leaves_the_old_weights_whole(engine, hf_model):
     """The senders vanish between registration and the update: the Sync fails naming the sender, every worker
     drops what it pulled, and vLLM serves the previous version complete (the outputs of the unchanged model)."""

@@ -91,11 +91,13 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-# the layouts over every transport, then the live path into real engines (vLLM's workers, stage vs worker; deltas)
+# the layouts over every transport, then the live path into real engines (vLLM's workers, stage vs worker; deltas),
+# then Megatron TP=2 trainer ranks into a vLLM worker and the embedded engine
 bench-weights: setup vllm-env
 	$(MESHRL) bench weights
 	test -f artifacts/models/smollm2-135m-instruct/model.safetensors || $(MESHRL) model smollm2
 	$(MESHRL) bench weights_live
+	$(MESHRL) bench weights_megatron
 
 bench-gateway: setup
 	$(MESHRL) bench gateway

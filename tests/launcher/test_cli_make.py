@@ -43,7 +43,7 @@ def test_run_alone_is_the_default_config():
     ("status", "status"),
     ("chaos", "chaos --seed 0 --name chaos-seed0 --nats single"),
     ("run-agent", "run --config configs/agent.yaml --name agent-seed0 --seed 0"),
-    ("bench-weights", ["bench weights", "bench weights_live"]),   # the layouts, then the live path
+    ("bench-weights", ["bench weights", "bench weights_live", "bench weights_megatron"]),   # layouts, live paths
     ("bench-gateway", "bench gateway"),
     ("bench-async", "bench async_speedup"),
     ("fuzz", "bench fuzz --cases 10000"),

@@ -11,6 +11,7 @@ import os
 import pathlib
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -52,6 +53,32 @@ def random_ports() -> dict[str, int]:
     """A free port for every service, NATS and the gateway, all distinct."""
     names = (*SERVICES, "nats", "gateway", *NATS_CLUSTER_KEYS)
     return dict(zip(names, free_ports(len(names)), strict=True))
+
+
+def ports_held(ports: dict[str, int], names: list[str]) -> list[str]:
+    """`name 127.0.0.1:port` for each of `names` whose port another process holds. A plain bind tells: gRPC servers
+    bind with SO_REUSEPORT, so a second stack on the same ports would start without an error and share them with
+    the first (each getting half of the other's calls), while its nats-server fails to bind and restarts forever."""
+    held = []
+    for name in names:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", ports[name]))
+            except OSError:
+                held.append(f"{name} 127.0.0.1:{ports[name]}")
+    return held
+
+
+def check_ports_free(ports: dict[str, int], plan: RunPlan, nats_mode: str) -> None:
+    """SystemExit naming every port of the stack another process holds, before anything starts."""
+    names = [*SERVICES, "nats", *(NATS_CLUSTER_KEYS if nats_mode == "cluster" else ())]
+    if plan.configs["rollout"].gateway_enabled:
+        names.append("gateway")
+    held = ports_held(ports, names)
+    if held:
+        raise SystemExit(f"ports in use: {', '.join(held)}. Another stack holds them (`meshrl status`; stop it "
+                         "with `make down`), or another program does: run with --random-ports (`meshrl run`) "
+                         "to take free ones")
 
 
 def nats_cluster_ports(ports: dict[str, int]) -> tuple[list[int], list[int]]:
@@ -481,14 +508,16 @@ def run(config: str, *, name: str, seed: int = 0, algo: str = "", ports: dict[st
     its budget, summary.json says "interrupted", and `Interrupted` is raised on after saying where the run is.
     """
     run_config = RunConfig.load(config, root=ROOT)
-    run_config.derive(seed=seed, algo=algo)  # a mistake in the file stops here, before the old run's folder goes
+    checked = run_config.derive(seed=seed, algo=algo)  # a mistake in the file stops here, before the old run's folder goes
     model_path = resolve_model(run_config.model, seed)
     run_dir = (runs_root or ROOT / "runs") / name
+    ports = ports or random_ports()
+    check_ports_free(ports, checked, nats_mode)   # as must ports another stack holds
     if run_dir.exists():
         import shutil
 
         shutil.rmtree(run_dir)
-    stack = Stack(run_dir, ports or random_ports(), nats_mode=nats_mode)
+    stack = Stack(run_dir, ports, nats_mode=nats_mode)
     frozen = FrozenModels(*frozen_models(run_config, seed), run_dir) if run_config.frozen_models else None
     if frozen is not None:
         frozen.serve_reference(run_config.services.trainer)
@@ -566,7 +595,8 @@ def up(config: str | None = None, *, seed: int = 0, algo: str = "", nats_mode: s
     if STATE_FILE.exists():
         raise SystemExit(f"a stack is already up ({STATE_FILE}); run `make down` first")
     run_config = RunConfig.load(config or UP_CONFIG, root=ROOT).unbounded(force=config is None)
-    run_config.derive(seed=seed, algo=algo)  # a mistake in the file stops here
+    check_ports_free(DEFAULT_PORTS, run_config.derive(seed=seed, algo=algo), nats_mode)  # a mistake in the file
+    # stops here, as do ports another program holds
     model_path = resolve_model(run_config.model, seed)
     run_dir = ROOT / "runs" / "up"
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)

@@ -163,3 +163,27 @@ def test_stack_writes_configs_restarts_a_killed_service_and_stops_without_a_figh
     assert codes == {s: -signal.SIGTERM for s in SERVICES}, "SIGTERM once, no restart in between"
     time.sleep(0.5)
     assert stack.restarts["rollout"] == 1 and all(len(spawned[s]) == (2 if s == "rollout" else 1) for s in SERVICES)
+
+
+def test_a_run_on_ports_another_stack_holds_stops_before_anything_starts(tmp_path, monkeypatch):
+    """A second `meshrl run` on the default ports would share the first stack's gRPC ports without an error
+    (SO_REUSEPORT) while its nats-server restarts forever: it is refused naming each held port, and the earlier
+    run folder of the same name is kept."""
+    import socket
+
+    from launcher import stack as stack_module
+
+    ports = random_ports()
+    monkeypatch.setattr(stack_module, "resolve_model", lambda model, seed: "unused")
+    old_run = tmp_path / "runs" / "again"
+    old_run.mkdir(parents=True)
+    with socket.socket() as nats_holder, socket.socket() as trainer_holder:
+        for holder, name in ((nats_holder, "nats"), (trainer_holder, "trainer")):
+            holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)   # as a gRPC server binds
+            holder.bind(("127.0.0.1", ports[name]))
+            holder.listen()
+        with pytest.raises(SystemExit, match=rf"ports in use: trainer 127.0.0.1:{ports['trainer']}, nats "
+                                             rf"127.0.0.1:{ports['nats']}\. .*--random-ports"):
+            stack_module.run("configs/e2e.yaml", name="again", seed=0, ports=ports, runs_root=tmp_path / "runs")
+    assert old_run.is_dir()
+    assert stack_module.ports_held(ports, ["nats", "trainer"]) == []   # released: nothing in the way

@@ -257,16 +257,15 @@ async def measure(a: argparse.Namespace, tmp: str) -> list[dict]:
         common = {"senders": "megatron:tp=2", "model": f"qwen3-shape-{export.num_parameters() / 1e6:.0f}m",
                   "transport": a.transport}
         for name in engines:
-            full = found["full"][name]
-            bytes_min = sum(s.num_bytes for s in receivers[f"full:{name}"].shards)
+            full, shards = found["full"][name], receivers[f"full:{name}"].shards
+            bytes_min = sum(s.num_bytes for s in shards)
             floor = memcpy_floor(bytes_min)
             update = statistics.median(f["seconds"] for f in full)
             parts = updates[f"full:{name}"][1:]     # the timed ones (the workers' split: vLLM's)
             lines.append({"case": "megatron_weight_sync", "engine": name, "dtype": DTYPES[name], **common,
                           "bytes_moved": full[-1]["bytes_moved"], "bytes_min": bytes_min,
                           # full updates move the senders' dtype (float32 here); a receiver of another casts
-                          "bytes_min_in_senders_dtype": sum(s.canonical_region.numel * 4
-                                                            for s in receivers[f"full:{name}"].shards),
+                          "bytes_min_in_senders_dtype": sum(s.canonical_region.numel * 4 for s in shards),
                           "update_seconds": round(update, 4), "update_seconds_all": [round(f["seconds"], 4) for f in full],
                           "memcpy_floor_seconds": round(floor, 4), "update_over_floor": round(update / floor, 2),
                           **worker_parts(parts, floor), "repeats": a.repeat,

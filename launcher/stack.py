@@ -508,11 +508,12 @@ def run(config: str, *, name: str, seed: int = 0, algo: str = "", ports: dict[st
     its budget, summary.json says "interrupted", and `Interrupted` is raised on after saying where the run is.
     """
     run_config = RunConfig.load(config, root=ROOT)
-    checked = run_config.derive(seed=seed, algo=algo)  # a mistake in the file stops here, before the old run's folder goes
+    # a mistake in the file, or a port another process holds, stops here: before the old run's folder goes
+    checked = run_config.derive(seed=seed, algo=algo)
     model_path = resolve_model(run_config.model, seed)
     run_dir = (runs_root or ROOT / "runs") / name
     ports = ports or random_ports()
-    check_ports_free(ports, checked, nats_mode)   # as must ports another stack holds
+    check_ports_free(ports, checked, nats_mode)
     if run_dir.exists():
         import shutil
 
@@ -595,8 +596,8 @@ def up(config: str | None = None, *, seed: int = 0, algo: str = "", nats_mode: s
     if STATE_FILE.exists():
         raise SystemExit(f"a stack is already up ({STATE_FILE}); run `make down` first")
     run_config = RunConfig.load(config or UP_CONFIG, root=ROOT).unbounded(force=config is None)
-    check_ports_free(DEFAULT_PORTS, run_config.derive(seed=seed, algo=algo), nats_mode)  # a mistake in the file
-    # stops here, as do ports another program holds
+    # a mistake in the file, or a port another process holds, stops here
+    check_ports_free(DEFAULT_PORTS, run_config.derive(seed=seed, algo=algo), nats_mode)
     model_path = resolve_model(run_config.model, seed)
     run_dir = ROOT / "runs" / "up"
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,7 @@ from services.common.contracts import data_pb2
 from services.common.errors import FieldError
 from services.common.ids import now
 from services.common.logging import get_logger
-from services.common.runtime import Backoff
+from services.common.runtime import Backoff, cancel_and_wait
 
 SUBJECT_PROMPTS = "prompts.work"
 SUBJECT_TRAJ_RAW = "traj.raw"
@@ -487,9 +487,7 @@ async def consume(bus: Bus, consumer: str, decode: Callable[[Msg], M],
     finally:
         if running:
             await asyncio.gather(*running, return_exceptions=True)
-        keep_alive.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await keep_alive
+        await cancel_and_wait([keep_alive])
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
 

@@ -36,6 +36,22 @@ async def sleep_or_stop(stop: asyncio.Event, seconds: float) -> bool:
     return stop.is_set()
 
 
+async def cancel_and_wait(tasks: Sequence[asyncio.Task], *, deadline: float = 10.0,
+                          every: float = 0.5) -> list[asyncio.Task]:
+    """Cancel `tasks` and wait until they end, cancelling again every `every` s, at most `deadline` s; returns
+    those still running then. Once is not enough on Python 3.11: a cancellation that lands just as an inner
+    `asyncio.wait_for` completes is lost (CPython gh-86296), and the task runs on."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + deadline
+    pending = {t for t in tasks if not t.done()}
+    while pending and loop.time() < give_up:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=min(every, max(0.0, give_up - loop.time())))
+    await asyncio.gather(*(t for t in tasks if t.done()), return_exceptions=True)  # retrieve their exceptions
+    return list(pending)
+
+
 @dataclasses.dataclass
 class Backoff:
     """Exponential back-off between retries: `initial`, doubled after each failure up to `cap`; `reset` after a
@@ -151,11 +167,12 @@ class ServiceRuntime:
         if pending:
             await asyncio.wait(pending, timeout=self.drain_s)
         late = [t for t in pending if not t.done()]
-        for task in late:
-            task.cancel()
         if late:
             self.log.warning("tasks_cancelled_at_stop", tasks=[t.get_name() for t in late], after_s=2 * self.drain_s)
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+            stuck = await cancel_and_wait(late)
+            if stuck:  # left behind: the bus and gRPC server still close, and the process exits anyway
+                self.log.error("tasks_ignore_cancellation", tasks=[t.get_name() for t in stuck])
+        await asyncio.gather(*(t for t in self.tasks if t.done()), return_exceptions=True)
 
 
 def _as_async(fn: Callable[[], Any]) -> Callable[[], Awaitable[Any]]:

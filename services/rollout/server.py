@@ -38,7 +38,7 @@ from services.common.rpc import (
     bound_address,
     invalid_argument,
 )
-from services.common.runtime import ServiceRuntime, sleep_or_stop
+from services.common.runtime import ServiceRuntime, cancel_and_wait, sleep_or_stop
 from services.common.service import supervise
 from services.rollout.config import RolloutConfig
 from services.rollout.engines.base import (
@@ -333,8 +333,7 @@ async def _serve_gateway(config: RolloutConfig, engine: Engine, bus: Bus, stop: 
                                        reward=reward, vision=_vision(config, engine, tokenizer, bus)),
                             config.gateway, stop)
     finally:
-        feed.cancel()
-        await asyncio.gather(feed, return_exceptions=True)
+        await cancel_and_wait([feed])
         if reward is not None:
             await reward.close()
 

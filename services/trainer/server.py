@@ -26,7 +26,7 @@ from services.common.ids import now
 from services.common.images import ImageStore
 from services.common.logging import get_logger
 from services.common.rpc import Servicer, invalid_argument
-from services.common.runtime import Backoff, ServiceRuntime, sleep_or_stop
+from services.common.runtime import Backoff, ServiceRuntime, cancel_and_wait, sleep_or_stop
 from services.common.service import supervise
 from services.trainer.batching import distinct_versions, pack, trajectory_staleness
 from services.trainer.checkpoint import MANIFEST, latest_checkpoint, prune_checkpoints, read_lineage, remove_leftovers
@@ -400,8 +400,7 @@ async def serve(config: TrainerConfig, stop: asyncio.Event) -> None:
         await serve_rank0(config, stop, leader, compute)
     finally:
         if leader is not None:
-            beat.cancel()
-            await asyncio.gather(beat, return_exceptions=True)
+            await cancel_and_wait([beat])
             await asyncio.to_thread(leader.stop)
 
 
@@ -430,9 +429,7 @@ async def follow_rank0(config: TrainerConfig, engine, compute: ComputeThread, st
     try:
         await compute.run(follow, engine, config.rank_timeout, stop, sender)
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(tasks)
         if sender is not None:
             await sender.close()
 

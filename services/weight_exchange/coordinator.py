@@ -22,6 +22,7 @@ from typing import Any
 from services.common.contracts import weight_exchange_pb2 as wx_pb2
 from services.common.errors import FieldError
 from services.common.logging import get_logger
+from services.common.runtime import cancel_and_wait
 from services.weight_exchange.client import tickets, transports
 from services.weight_exchange.client.layout import RECEIVER, SENDER, RankLayout
 from services.weight_exchange.planner import Plan, PlanError, bytes_min, plan
@@ -382,10 +383,7 @@ class Coordinator:
 
     async def close(self) -> None:
         """Cancel the catch-ups in flight."""
-        tasks = list(self._catch_ups.values())
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(list(self._catch_ups.values()))
 
     def _check_same_host(self, p: Plan) -> None:
         hosts = {r.rank_id: r.host for r in self.ranks.values()}

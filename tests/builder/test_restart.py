@@ -14,6 +14,7 @@ from services.builder.server import Builder
 from services.common.batches import published_batches, read_batch
 from services.common.bus import SUBJECT_TRAJ_SCORED, SUBJECT_VERSIONS, Bus, InvalidMessage, consume, decoder
 from services.common.contracts import data_pb2
+from services.common.runtime import cancel_and_wait
 
 ACK_WAIT = 2.0
 
@@ -69,9 +70,7 @@ async def trained(bus: Bus, version: int) -> None:
 
 async def crash(builder_tasks: list[asyncio.Task], bus: Bus) -> None:
     """Die like SIGKILL: nothing acked, nothing flushed."""
-    for task in builder_tasks:
-        task.cancel()
-    await asyncio.gather(*builder_tasks, return_exceptions=True)
+    assert await cancel_and_wait(builder_tasks) == []
     await bus.nc.close()
 
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from services.common.runtime import Backoff, ServiceRuntime, sleep_or_stop
+from services.common.runtime import Backoff, ServiceRuntime, cancel_and_wait, sleep_or_stop
 
 
 async def test_shutdown_stops_drains_then_closes_in_reverse_order():
@@ -51,6 +51,35 @@ async def test_the_drained_callback_lets_waiting_work_finish_and_stragglers_are_
     assert done == ["naked"] and task.cancelled()
     assert time.monotonic() - started < 5, "two drains of 0.3 s, then the straggler is cancelled"
     assert stop.is_set(), "leaving the runtime stops the service's other loops too"
+
+
+async def test_a_task_that_loses_a_cancellation_is_cancelled_again_and_one_that_ignores_all_is_returned():
+    lost = []
+
+    async def loses_the_first() -> None:  # what Python 3.11's wait_for does when the inner call completes as well
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            lost.append("first")
+            asyncio.current_task().uncancel()
+        await asyncio.sleep(3600)
+
+    async def ignores_every_one() -> None:
+        while not released.is_set():
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                lost.append("again")
+
+    released = asyncio.Event()
+    flaky, deaf = asyncio.create_task(loses_the_first()), asyncio.create_task(ignores_every_one())
+    await asyncio.sleep(0)
+    started = time.monotonic()
+    stuck = await cancel_and_wait([flaky, deaf], deadline=1.0, every=0.1)
+    assert stuck == [deaf] and flaky.cancelled() and lost[0] == "first" and lost.count("again") >= 5
+    assert time.monotonic() - started < 3
+    released.set()
+    assert await cancel_and_wait([deaf], deadline=1.0) == [] and deaf.done()
 
 
 async def test_a_body_that_raises_still_closes_what_was_opened():

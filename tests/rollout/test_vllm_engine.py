@@ -416,7 +416,8 @@ async def test_versions_across_an_interrupting_update(engine, hf_model):
     base = engine.version
     params = dict(hf_model.named_parameters())
     original = params[LAYER].detach().clone()
-    sampling = Sampling(temperature=0.0, max_new_tokens=48)
+    # long enough that the update lands mid-sequence on a fast machine too (48 tokens could all be out before it)
+    sampling = Sampling(temperature=0.0, max_new_tokens=160, ignore_eos=True)
     async with weight_exchange(engine, params) as wx:
         seqs = [engine.submit(PROMPT, sampling, None), engine.submit(PROMPT[:20], sampling, None)]
         deadline = time.monotonic() + 120
@@ -435,13 +436,13 @@ async def test_versions_across_an_interrupting_update(engine, hf_model):
                 assert k >= 4 and seq.versions == [base] * k + [base + 1] * (len(seq.versions) - k), seq.versions
                 if k < len(seq.output_ids):
                     # the tokens after the resume are the new weights' greedy continuation of prompt + old tokens,
-                    # with the new weights' log-probs (their KV cache recomputed)
+                    # with the new weights' log-probs (their KV cache recomputed); the first 32 of them: further on
+                    # a near-tie between vLLM's kernels and HF's may pick another token, which is not what this tests
                     head = prompt + seq.output_ids[:k]
-                    tail = seq.output_ids[k:]
-                    expected = _hf_greedy(hf_model, head, len(tail))
-                    assert tail == expected[:len(tail)]
+                    tail = seq.output_ids[k:k + 32]
+                    assert tail == _hf_greedy(hf_model, head, len(tail))
                     ref = _hf_logprobs(hf_model, head, tail)
-                    assert max(abs(a - b) for a, b in zip(ref, seq.logprobs[k:], strict=True)) < 1e-3
+                    assert max(abs(a - b) for a, b in zip(ref, seq.logprobs[k:k + 32], strict=True)) < 1e-3
         finally:
             await wx.update(base + 2, lambda p: p[LAYER].copy_(original))
     assert engine.stats.interrupted_sequences > interrupted_before

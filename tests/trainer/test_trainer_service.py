@@ -20,6 +20,7 @@ import yaml
 from services.common.batches import batch_subject, publish_batch
 from services.common.bus import Bus
 from services.common.contracts import data_pb2
+from services.common.runtime import cancel_and_wait
 from services.trainer.checkpoint import MANIFEST, latest_checkpoint, read_lineage
 from services.trainer.config import TrainerConfig
 from services.trainer.optim import OptimConfig
@@ -86,8 +87,7 @@ async def test_a_crashed_trainer_resumes_from_its_newest_complete_checkpoint(nat
         stop = asyncio.Event()
         task = asyncio.create_task(first.run(stop))
         await until(lambda: names(checkpoints) == ["v4", "v6"], what="checkpoint v6 (v2 pruned)")
-        task.cancel()  # a crash: no final checkpoint, nothing flushed
-        await asyncio.gather(task, return_exceptions=True)
+        assert await cancel_and_wait([task]) == []  # a crash: no final checkpoint, nothing flushed
         assert first.version == 6 and first.lineage["batch_indices"] == list(range(6))
         weights_v6 = {n: t.clone() for n, t in first.engine.weights().items()}
         (checkpoints / "v6" / MANIFEST).unlink()  # ... that happened while v6 was being written

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 
 from services.common.contracts import data_pb2
 from services.common.logging import get_logger
+from services.common.runtime import cancel_and_wait
 from services.rollout.gateway import metrics
 
 Publish = Callable[[list[data_pb2.Trajectory]], Awaitable[None]]  # members of one group (and one subject)
@@ -82,9 +83,7 @@ class Outbox:
     async def close(self, timeout: float) -> None:
         await self.flush(timeout)
         if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait([self._task])
         if self.pending:
             get_logger().error("gateway_outbox_unpublished", pending=self.pending)
         for fut in self._unresolved:  # nobody waits forever on a trajectory that will not be published

@@ -73,7 +73,8 @@ test: setup vllm-env tau2-env agents-env
 	test -f artifacts/models/smollm2-135m-instruct/model.safetensors || $(MESHRL) model smollm2
 	$(PYTHON) -m pytest -q -ra -m "not full"
 
-# the heavier variants make test leaves out (more Megatron layouts into live engines, the MoE stage path)
+# the heavier variants make test leaves out (more Megatron layouts and resharding pairs, the vLLM stage paths,
+# the Megatron memory peaks, bench/gpu_check.py on the CPU)
 test-full: setup vllm-env
 	$(PYTHON) -m pytest -q -ra -m full
 

@@ -79,8 +79,12 @@ def leave_cpu_group() -> None:
     skips interpreter finalization, where a gloo group still referenced (Megatron's parallel state, a model's
     layers) is destroyed with the GIL already gone; that rarely aborts a finished rank ("terminate called
     without an active exception", exit -6).
+
+    A rank that started a child process and left it running exits 3 instead: `os._exit` would orphan it (megatron-
+    core's checkpoint writer once did, with a Manager server per rank).
     """
     import gc
+    import multiprocessing
     import os
 
     import torch.distributed as dist
@@ -94,6 +98,9 @@ def leave_cpu_group() -> None:
         parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     gc.collect()
+    children = multiprocessing.active_children()
+    if children:
+        print(f"rank left child processes running: {children}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(3 if children else 0)

@@ -10,7 +10,7 @@ import pytest
 from bench import gpu_check
 
 
-@pytest.mark.slow
+@pytest.mark.full  # ~85 s: each check's subject has its own tests in make test; this runs the GPU script's wiring
 def test_every_check_passes_on_cpu(capsys):
     code = gpu_check.main(["--device", "cpu"])
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]

@@ -16,6 +16,8 @@ import time
 
 import pytest
 
+from tests.marks import full
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 LEASE = 4.0
 
@@ -59,7 +61,7 @@ def env_for(service: str, nats_url: str, run_dir: pathlib.Path, **extra: str) ->
     return {**os.environ, **{prefix + k: v for k, v in values.items()}}
 
 
-@pytest.mark.parametrize("service", ["builder", "weight_exchange"])
+@pytest.mark.parametrize("service", ["builder", full("weight_exchange")])  # the same lease code: one in make test
 def test_a_second_instance_stands_by_and_takes_over_when_the_active_one_dies(service, nats_server, tmp_path,
                                                                               tiny_qwen3):
     extra = {"MODEL_PATH": str(tiny_qwen3)} if service == "builder" else {}

@@ -1,6 +1,6 @@
 """Each service, and nats-server, SIGKILLed mid-run and restarted by the supervisor: the run completes with its
 invariant (lineage 0..N-1 once each, no trajectory trained twice, no admitted group lost, staleness <= eta).
-Also: a second builder as a standby taking over; and (`make chaos-extended`) the other services' kills, a node of a
+And (`make chaos-extended`): a second builder as a standby taking over, the other services' kills, a node of a
 three-node JetStream cluster lost, TRAJ at its byte cap on the least budget, nats-server gone for over a minute and
 gone past the dedupe window."""
 
@@ -51,6 +51,7 @@ def test_losing_a_node_of_a_three_node_cluster_loses_nothing(tmp_path):
     assert report["nats_mode"] == "cluster"
 
 
+@pytest.mark.extended  # ~1 min; tests/common/test_single_active.py's [builder] case covers the takeover in make test
 def test_a_second_builder_stands_by_and_takes_over_when_the_active_one_is_killed(tmp_path):
     """Two builders on one config (one gRPC port: an instance binds it only once it holds the lease); the active one
     is SIGKILLed, the standby takes over, the supervisor's restart of the killed one becomes the new standby."""

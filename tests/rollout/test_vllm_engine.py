@@ -448,6 +448,7 @@ async def test_versions_across_an_interrupting_update(engine, hf_model):
     assert engine.stats.interrupted_sequences > interrupted_before
 
 
+@pytest.mark.full  # its own server (~50 s); the worker path above is the default
 @server_test
 async def test_the_stage_path_reloads_the_whole_model(tmp_path, hf_model):
     """weight_path: stage (the path before worker receivers, kept for comparison): the receiver writes the /dev/shm

@@ -16,6 +16,7 @@ import torch
 from services.trainer.config import MegatronConfig, TrainerConfig
 from services.trainer.optim import OptimConfig
 from services.trainer.packing import PackingConfig
+from tests.marks import full
 from tests.ranks import join_cpu_group, leave_cpu_group, run_spawned
 from tests.trainer.test_fsdp2 import train_checkpoint_retake
 from tests.trainer.test_trainer_engine import NEW, engine_for, make_batch, make_model_dir
@@ -66,12 +67,15 @@ def close(a: float, b: float, rel: float = 1e-4, abs_: float = 1e-6) -> bool:
     return abs(a - b) <= max(rel * max(abs(a), abs(b)), abs_)
 
 
+# make test: tensor parallel, and tensor x expert parallel (pipeline stages: the uneven-stage checkpoint test
+# below); the other layouts in make test-full
 @pytest.mark.parametrize("sizes, model, world", [
-    ({"tp": 2}, "model_dir", 2), ({"tp": 1}, "model_dir", 2), ({"ep": 2}, "moe_dir", 2),
-    ({"tp": 2, "ep": 2, "etp": 1}, "moe_dir", 2), ({"pp": 2, "num_layers_in_first_pipeline_stage": 1}, "deep_dir", 2),
+    ({"tp": 2}, "model_dir", 2), full({"tp": 1}, "model_dir", 2), full({"ep": 2}, "moe_dir", 2),
+    ({"tp": 2, "ep": 2, "etp": 1}, "moe_dir", 2),
+    full({"pp": 2, "num_layers_in_first_pipeline_stage": 1}, "deep_dir", 2),
     # four ranks on two cores: pipeline stages combined with tensor and with expert parallelism
-    ({"tp": 2, "pp": 2, "num_layers_in_first_pipeline_stage": 1}, "deep_dir", 4),
-    ({"ep": 2, "pp": 2}, "moe_dir", 4)],
+    full({"tp": 2, "pp": 2, "num_layers_in_first_pipeline_stage": 1}, "deep_dir", 4),
+    full({"ep": 2, "pp": 2}, "moe_dir", 4)],
     ids=["tp=2", "tp=1,dp=2", "moe:ep=2,dp=2", "moe:tp=2,ep=2,etp=1", "pp=2:first=1,last=2",
          "tp=2,pp=2:first=1", "moe:ep=2,pp=2,dp=2"])
 def test_megatron_ranks_take_the_single_process_steps(request, tmp_path, sizes, model, world):

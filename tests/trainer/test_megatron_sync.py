@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from services.trainer.config import MegatronConfig, TrainerConfig
+from tests.marks import full
 from tests.ranks import join_cpu_group, leave_cpu_group, run_spawned
 from tests.trainer.test_trainer_engine import NEW, engine_for, make_batch
 from tests.weight_exchange.test_sync_path import sync_stack
@@ -26,9 +27,10 @@ CASES = {"tp=2": ({"tp": 2}, 0, 2), "moe:ep=2,dp=2": ({"ep": 2}, 4, 2),
          "moe:tp=2,ep=2,etp=1": ({"tp": 2, "ep": 2, "etp": 1}, 4, 2),
          "pp=2:first=1": ({"pp": 2, "num_layers_in_first_pipeline_stage": 1}, 0, 2),
          "tp=2,pp=2:first=1": ({"tp": 2, "pp": 2, "num_layers_in_first_pipeline_stage": 1}, 0, 4)}
+IN_MAKE_TEST = {"moe:tp=2,ep=2,etp=1", "pp=2:first=1"}  # tensor, expert and pipeline ranks; the rest: make test-full
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+@pytest.fixture(scope="module", params=[c if c in IN_MAKE_TEST else full(c) for c in CASES])
 def case(request, tmp_path_factory):
     """(parallel sizes, the trainer's model directory, the running stack): the receiver's architecture (the built-in
     tiny Qwen3, or its Qwen3-MoE with 4 experts), the trainer's at other weights."""

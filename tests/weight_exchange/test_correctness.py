@@ -19,7 +19,7 @@ FAST = [
     ("tiny-qwen3-moe", "megatron:tp=2,pp=2,ep=2,etp=1", "vllm:tp=2,edp=2,ep=4"),   # vLLM EP = tp x edp
     ("tiny-llama-gqa9", "megatron:tp=3", "sglang:tp=3"),                 # SmolLM2-like 9 heads / 3 KV at TP 3
 ]
-SLOW = [
+SLOW = [  # make test-full
     ("tiny-qwen3", "megatron:tp=1", "vllm:tp=1"),
     ("tiny-qwen3-moe", "megatron:tp=4", "vllm:tp=8"),                    # TP 4 > 2 query groups; TP 8 > 2 KV
     ("tiny-qwen3", "megatron:tp=2,pp=2", "vllm:tp=4,dp=2"),
@@ -49,7 +49,7 @@ async def test_exchange_bit_exact(tmp_path, model, src, dst):
     await run_case(tmp_path, model, src, dst)
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("model,src,dst", SLOW, ids=[f"{m}:{s}->{d}" for m, s, d in SLOW])
 async def test_exchange_bit_exact_more(tmp_path, model, src, dst):
     await run_case(tmp_path, model, src, dst)

@@ -57,7 +57,7 @@ def test_megatron_names_and_shapes(tmp_path, model, side):
     build(tmp_path, model, side)
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("model,side", [
     ("tiny-qwen3", "megatron:pp=2"),
     ("tiny-qwen3", "megatron:tp=4"),                         # TP 4 > 2 query groups

@@ -37,6 +37,19 @@ def cpu_checkpointing() -> None:
     FileSystemWriterAsync._meshrl_host = True
 
 
+def in_process_results() -> None:
+    """megatron-core's writer collects its write results through a queue of a ``multiprocessing`` Manager, a server
+    process it spawns at the first save and that outlives a rank killed (or ended with ``os._exit``) as an orphan
+    holding ~300 MB. meshrl saves synchronously, so the results are put and read in this process: a plain queue
+    does, and no process is started."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
@@ -74,6 +87,7 @@ def save(gpt: Any, optimizer: torch.optim.Optimizer, directory: str) -> dict[str
     from megatron.core.dist_checkpointing.optimizer import optim_state_to_sharding_state
 
     cpu_checkpointing()
+    in_process_results()
     _with_moments(optimizer)
     model, by_id = _sharded(gpt, optimizer)
     optim = optimizer.state_dict()

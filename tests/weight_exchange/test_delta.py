@@ -71,7 +71,8 @@ async def test_fifty_deltas_are_bit_identical_to_a_full_sync_and_small():
     received = receiver_of(model)
     async with local_exchange(params, {"params": received, "version": 0}, delta=True, full_every=100) as wx:
         first = await wx.update(1, lambda p: small_step(p, 0), transport="tcp")
-        assert not first.delta and first.bytes_moved == sum(t.numel() * 4 for t in received.values())
+        # full over tcp: the sender casts, so the receiver's bf16 bytes travel, not the trainer's fp32
+        assert not first.delta and first.bytes_moved == sum(t.numel() * 2 for t in received.values())
         assert identical(received, params)
         fractions = []
         for v in range(2, 52):
@@ -82,6 +83,21 @@ async def test_fifty_deltas_are_bit_identical_to_a_full_sync_and_small():
         assert reply.bytes_full == sum(t.numel() * 2 for t in received.values())   # bf16: the receiver's bytes
         assert max(fractions) < 0.5 and sum(fractions) / len(fractions) < 0.25, fractions
         assert wx.sender.server.deltas.num_bytes() <= 2 * reply.bytes_full          # two versions kept at most
+
+
+@pytest.mark.parametrize("transport, itemsize", [("tcp", 2), ("shm", 4)])
+async def test_a_full_update_moves_the_receivers_dtype_over_tcp_and_the_senders_over_shared_memory(transport,
+                                                                                                 itemsize):
+    """fp32 sender, bf16 receiver: tcp's sender casts each region (half the bytes); shm reads the sender's memory
+    as it is and the receiver casts. Either way the receiver holds the round-to-nearest bf16 of every weight, and
+    the sender's checksums (of what it sent) check out."""
+    model = tiny_qwen3(seed=4)
+    params = dict(model.named_parameters())
+    received = {n: torch.zeros_like(t) for n, t in receiver_of(model).items()}
+    async with local_exchange(params, {"params": received, "version": 0}, delta=False) as wx:
+        reply = await wx.update(1, lambda p: small_step(p, 1), transport=transport, verify=True)
+        assert reply.bytes_moved == sum(t.numel() * itemsize for t in received.values())
+        assert identical(received, params)
 
 
 async def test_a_full_update_every_k_and_after_a_corrupted_receiver():

@@ -91,8 +91,9 @@ class PullResult:
 
 
 def build_links(rank_id: str, tensors: Mapping[str, torch.Tensor], transfers: Sequence[TransferLike],
-                deadline: float, verify: bool) -> dict[str, tuple[Link, list[list[Any]]]]:
-    """Group transfers by sender and resolve their destination views; ValueError naming the bad field."""
+                deadline: float, verify: bool, cast: bool = False) -> dict[str, tuple[Link, list[list[Any]]]]:
+    """Group transfers by sender and resolve their destination views; ValueError naming the bad field. With
+    `cast` (a transport whose sender casts), an item whose receiver dtype differs travels in the receiver's."""
     links: dict[str, tuple[Link, list[list[Any]]]] = {}
     requests: dict[str, list[list[Any]]] = defaultdict(list)
     for i, t in enumerate(transfers):
@@ -109,11 +110,14 @@ def build_links(rank_id: str, tensors: Mapping[str, torch.Tensor], transfers: Se
                              f"{t.dst_region} of {t.dtype}")
         if t.src not in links:
             links[t.src] = (Link(t.src, rank_id, [], deadline, verify), requests[t.src])
-        links[t.src][0].items.append(Item(t.canonical_name, t.bucket, t.num_bytes, t.dtype,
-                                          region_view(dst, t.dst_region)))
-        # the receiver's dtype last: a sender keeping deltas compares what this receiver holds
-        requests[t.src].append([t.src_local, list(t.src_region.offsets), list(t.src_region.sizes), t.bucket,
-                                str(dst.dtype).removeprefix("torch.")])
+        held = str(dst.dtype).removeprefix("torch.")
+        wire, num_bytes = t.dtype, t.num_bytes
+        if cast and held != t.dtype and held in ITEMSIZE:
+            wire, num_bytes = held, t.dst_region.numel * ITEMSIZE[held]
+        links[t.src][0].items.append(Item(t.canonical_name, t.bucket, num_bytes, wire, region_view(dst, t.dst_region)))
+        # the receiver's dtype last: a sender keeping deltas compares what this receiver holds, one that casts
+        # (cast_to_receiver in the pull's header) sends the region in it
+        requests[t.src].append([t.src_local, list(t.src_region.offsets), list(t.src_region.sizes), t.bucket, held])
     return links
 
 
@@ -128,14 +132,15 @@ def pull_all(rank_id: str, tensors: Mapping[str, torch.Tensor], transfers: Seque
     start = time.monotonic()
     deadline = start + timeout
     impl = transports.get(transport)
-    links = build_links(rank_id, tensors, transfers, deadline, verify)
+    cast = bool(getattr(impl, "casts", False))
+    links = build_links(rank_id, tensors, transfers, deadline, verify, cast)
     for src in links:
         if src not in endpoints:
             raise FieldError("sender_endpoints", f"no {transport} endpoint for sender {src}")
     crcs: dict[str, list[int]] = {}
     with ThreadPoolExecutor(max_workers=max(1, min(len(links), 16))) as pool:
         auth = {src: {"ticket": (tickets or {}).get(src, ""), "sync_id": sync_id, "delta_base": delta_base,
-                      "track": track} for src in links}
+                      "track": track, "cast_to_receiver": cast} for src in links}
         futures = {src: pool.submit(_pull_link, impl, endpoints[src], link, items, version, crcs, auth[src])
                    for src, (link, items) in sorted(links.items())}
         errors = []

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from services.common.errors import FieldError
 from services.common.logging import get_logger
 from services.weight_exchange.client import delta, tickets, transports
 from services.weight_exchange.client.delta import DeltaStore
+from services.weight_exchange.client.layout import ITEMSIZE
 from services.weight_exchange.client.regions import Region
 from services.weight_exchange.client.wire import (
     MAX_HEADER,
@@ -220,13 +221,16 @@ class SenderServer:
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             send_frame(conn, {"error": f"sender {self.rank_id}: {exc}"})
             return
+        impl = transports.get(request["transport"])
+        if request.get("cast_to_receiver") and getattr(impl, "casts", False):
+            views = ReceiverDtypeViews(views, request["items"])  # what is sent, and checksummed, is the receiver's
         served: dict[delta.Key, torch.Tensor] | None
         if base is not None:
             served = delta.serve(conn, views, keys, int(base), self.deltas, self.rank_id)
             if served is None:
                 return      # refused: the receiver needs a full update
         else:
-            transports.get(request["transport"]).serve(conn, request, views, self)
+            impl.serve(conn, request, views, self)
             served = delta.snapshot(views, keys) if track else {}
         end: dict[str, Any] = {"crc": [crc(v) for v in views]} if request.get("verify") else {}
         torn = self.end_read(seq, version)
@@ -246,3 +250,21 @@ class SenderServer:
                 raise ValueError(f"region {region} is outside {name} of shape {list(t.shape)}")
             views.append(region_view(t, region))
         return views
+
+
+class ReceiverDtypeViews(Sequence[torch.Tensor]):
+    """`views`, each cast to its receiver's dtype (the items' last field) when it differs, one at a time as it is
+    read: a transport that copies then moves the receiver's bytes, and at most one cast region is held at once."""
+
+    def __init__(self, views: list[torch.Tensor], items: list[list[Any]]) -> None:
+        self.views = views
+        self.dtypes = [str(it[4]) if len(it) > 4 else "" for it in items]
+
+    def __len__(self) -> int:
+        return len(self.views)
+
+    def __getitem__(self, i):  # type: ignore[override] - an index, never a slice
+        view, dtype = self.views[i], self.dtypes[i]
+        if not dtype or str(view.dtype).removeprefix("torch.") == dtype or dtype not in ITEMSIZE:
+            return view
+        return delta.as_dtype(view, dtype)

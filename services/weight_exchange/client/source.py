@@ -222,17 +222,19 @@ class SenderServer:
             send_frame(conn, {"error": f"sender {self.rank_id}: {exc}"})
             return
         impl = transports.get(request["transport"])
-        if request.get("cast_to_receiver") and getattr(impl, "casts", False):
-            views = ReceiverDtypeViews(views, request["items"])  # what is sent, and checksummed, is the receiver's
+        # what a casting transport sends, and what is checksummed, is the receiver's dtype; deltas and the bases
+        # kept for them cast the plain views themselves (delta.as_dtype), once
+        wire = (ReceiverDtypeViews(views, request["items"])
+                if request.get("cast_to_receiver") and getattr(impl, "casts", False) else views)
         served: dict[delta.Key, torch.Tensor] | None
         if base is not None:
             served = delta.serve(conn, views, keys, int(base), self.deltas, self.rank_id)
             if served is None:
                 return      # refused: the receiver needs a full update
         else:
-            impl.serve(conn, request, views, self)
+            impl.serve(conn, request, wire, self)
             served = delta.snapshot(views, keys) if track else {}
-        end: dict[str, Any] = {"crc": [crc(v) for v in views]} if request.get("verify") else {}
+        end: dict[str, Any] = {"crc": [crc(v) for v in wire]} if request.get("verify") else {}
         torn = self.end_read(seq, version)
         if not torn and served:
             self.deltas.keep(served, version)

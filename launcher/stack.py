@@ -58,10 +58,13 @@ def random_ports() -> dict[str, int]:
 def ports_held(ports: dict[str, int], names: list[str]) -> list[str]:
     """`name 127.0.0.1:port` for each of `names` whose port another process holds. A plain bind tells: gRPC servers
     bind with SO_REUSEPORT, so a second stack on the same ports would start without an error and share them with
-    the first (each getting half of the other's calls), while its nats-server fails to bind and restarts forever."""
+    the first (each getting half of the other's calls), while its nats-server fails to bind and restarts forever.
+    SO_REUSEADDR as the servers set it: a port whose last connections are in TIME_WAIT (a run that just ended) is
+    free to them, and only a listening socket refuses the bind."""
     held = []
     for name in names:
         with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind(("127.0.0.1", ports[name]))
             except OSError:

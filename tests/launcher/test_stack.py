@@ -187,3 +187,27 @@ def test_a_run_on_ports_another_stack_holds_stops_before_anything_starts(tmp_pat
             stack_module.run("configs/e2e.yaml", name="again", seed=0, ports=ports, runs_root=tmp_path / "runs")
     assert old_run.is_dir()
     assert stack_module.ports_held(ports, ["nats", "trainer"]) == []   # released: nothing in the way
+
+
+def test_a_port_whose_connections_linger_in_time_wait_is_free(tmp_path):
+    """A run that just ended leaves its servers' closed connections in TIME_WAIT on their ports; the next run binds
+    them (gRPC and nats-server set SO_REUSEADDR), so the check must not call them held (`make run-distill-smollm2`
+    runs two stacks back to back on the default ports)."""
+    import socket
+
+    from launcher import stack as stack_module
+
+    ports = random_ports()
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", ports["trainer"]))
+        server.listen()
+        with socket.create_connection(("127.0.0.1", ports["trainer"]), timeout=5) as client:
+            accepted, _ = server.accept()
+            accepted.close()   # the server side closes first: its end of the connection stays in TIME_WAIT
+            assert client.recv(1) == b""
+        assert stack_module.ports_held(ports, ["trainer"]) == [f"trainer 127.0.0.1:{ports['trainer']}"]
+    lingering = subprocess.run(["ss", "-tan", "state", "time-wait", f"( sport = :{ports['trainer']} )"],
+                               capture_output=True, text=True, timeout=30).stdout
+    assert f":{ports['trainer']}" in lingering, lingering
+    assert stack_module.ports_held(ports, ["trainer"]) == []

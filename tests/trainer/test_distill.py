@@ -32,6 +32,26 @@ def test_the_advantage_is_the_teachers_log_prob_minus_the_students_per_token():
         algo.advantages(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), mask)
 
 
+
+def test_the_teachers_term_can_be_bounded_and_whitened():
+    """distill_clip bounds each token's log-ratio (a peaked teacher's -20 for a rare wrong token would otherwise own
+    the norm-clipped gradient); adv_norm whitens after the teacher's term is in, so it is centred too."""
+    old = torch.log(torch.tensor([[0.5, 0.2, 0.9, 0.3], [0.1, 0.6, 0.6, 0.5]]))
+    ref = torch.tensor([[-20.0, -1.0, -0.1, -1.2], [-2.0, -1.0, -0.5, -0.7]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    rewards, groups = torch.tensor([1.0, 0.0]), torch.tensor([0, 0])
+    clipped = AlgorithmConfig.from_preset("distill", distill_clip=1.0).build()
+    adv = clipped.advantages(rewards, groups, mask, old_logp=old, ref_logp=ref)
+    torch.testing.assert_close(adv, torch.where(mask.bool(), (ref - old).clamp(-1.0, 1.0), 0.0))
+    assert float(adv[0, 0]) == -1.0 and 0 < float(adv[0, 1]) < 1.0, "only the far tail is cut"
+    whitened = AlgorithmConfig.from_preset("distill", adv_norm=True).build()
+    adv = whitened.advantages(rewards, groups, mask, old_logp=old, ref_logp=ref)[mask.bool()]
+    assert abs(float(adv.mean())) < 1e-5 and abs(float(adv.std()) - 1.0) < 1e-3
+    raw = (ref - old)[mask.bool()]
+    assert torch.equal(adv.argsort(), raw.argsort()), "whitening keeps the tokens' order"
+    with pytest.raises(ValueError, match="distill_clip"):
+        AlgorithmConfig.from_preset("distill", distill_clip=0.0)
+
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     student = make_model_dir(tmp_path_factory.mktemp("student"), layers=2)

@@ -175,12 +175,15 @@ class Algorithm:
         if c.use_critic and values is None:
             raise ValueError("use_critic needs the critic's values for the advantages")
         adv, returns = gae(tok, values if c.use_critic else None, mask, gamma=c.discount, lam=c.gae_lambda)
-        if c.adv_norm:
-            adv = whiten(adv, mask, unbiased=c.std_unbiased, eps=c.norm_eps)
         if c.distill_coef > 0:
             if old_logp is None or ref_logp is None:
                 raise ValueError("distill_coef > 0 needs old_logp and ref_logp (the teacher) for the advantages")
-            adv = adv + torch.where(mask, c.distill_coef * (ref_logp - old_logp).detach(), 0.0)
+            log_ratio = (ref_logp - old_logp).detach()
+            if c.distill_clip is not None:
+                log_ratio = log_ratio.clamp(-c.distill_clip, c.distill_clip)
+            adv = adv + torch.where(mask, c.distill_coef * log_ratio, 0.0)
+        if c.adv_norm:  # after the teacher's term: whitening centres it too (a baseline: tokens the teacher likes
+            adv = whiten(adv, mask, unbiased=c.std_unbiased, eps=c.norm_eps)  # more than most are pushed up)
         return AdvantageResult(adv, returns, shaped, kl)
 
     def advantages(

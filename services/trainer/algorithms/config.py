@@ -53,6 +53,10 @@ class AlgorithmConfig:
     # own sampled token (reverse KL, per token, not summed forward); the teacher is the reference model
     # (trainer.reference.model_path), which must share the policy's tokenizer
     distill_coef: float = 0.0
+    # bounds each token's log pi_teacher - log pi_student to [-distill_clip, distill_clip] (None: unbounded). A peaked
+    # teacher gives a student's rare wrong token -15 to -25 nats against +0.1 to +1 for a right one: those few tokens
+    # then own the whole (norm-clipped) gradient and push the answer positions toward an average token
+    distill_clip: float | None = None
 
     # Advantages
     reward_level: str = "outcome"  # outcome (one reward per sequence) | process (per-step rewards, see algorithm.py)
@@ -113,6 +117,7 @@ class AlgorithmConfig:
             "sapo_tau_neg",
             "dpo_beta",
             "norm_eps",
+            "distill_clip",
         )
         for name in _positive:
             value = getattr(self, name)

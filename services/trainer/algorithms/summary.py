@@ -44,7 +44,9 @@ def advantage(c: AlgorithmConfig) -> str:
         text = f"per-step {text} (step rewards summed from each token on)"
     if c.distill_coef > 0:
         outcome = "" if c.reward_scaling == 0 else f" + {c.reward_scaling:g} x ({text})"
-        text = f"{c.distill_coef:g} x (log pi_teacher - log pi_student) per token{outcome}"
+        ratio = "log pi_teacher - log pi_student"
+        ratio = f"clip({ratio}, +-{c.distill_clip:g})" if c.distill_clip is not None else f"({ratio})"
+        text = f"{c.distill_coef:g} x {ratio} per token{outcome}"
     extras = [e for e, on in (("batch-whitened", c.adv_norm), ("overlong penalty", c.overlong_penalty),
                               ("dynamic sampling", c.dynamic_sampling)) if on]
     return text + "".join(f", {e}" for e in extras)

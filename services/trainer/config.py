@@ -131,7 +131,10 @@ class TrainerConfig(ServiceConfig):
         check_device(self.device)
         algo = self.build_algorithm()  # an unknown preset or setting stops start-up here
         teacher = self.reference.model_path or self.reference.url or self.reference.served
-        if algo.config.distill_coef > 0 and not teacher:
+        if algo.config.distill_topk > 0 and (self.reference.url or self.reference.served):
+            raise FieldError("reference.served", "distill_topk needs the teacher's top-k at every position, which a "
+                             "served teacher does not return: load it in the trainer (reference.model_path)")
+        if (algo.config.distill_coef > 0 or algo.config.distill_topk > 0) and not teacher:
             raise FieldError("reference.model_path", f"{self.algo!r} distils from a teacher: set its checkpoint here, "
                              "or serve it (reference.served; the default, the policy's own start, teaches nothing)")
         self.check_backend()
@@ -173,6 +176,9 @@ class TrainerConfig(ServiceConfig):
                              "needs backend: torch")
         if self.packing.enabled:
             raise FieldError("packing.enabled", "the megatron backend runs padded rows; set packing.enabled: false")
+        if algo.config.distill_topk > 0:
+            raise FieldError("algo_overrides.distill_topk", "the megatron backend has no teacher top-k term yet (its "
+                             "logits are split over tensor-parallel ranks); use backend: torch or fsdp2")
         if self.routing_replay and m.pp > 1:
             raise FieldError("routing_replay", "the megatron backend replays routes without pipeline stages (pp 1)")
 

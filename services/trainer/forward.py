@@ -9,6 +9,7 @@ leave 0 elsewhere; ``sequence_logits`` fills every real position and leaves 0 pa
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,8 +22,24 @@ from services.trainer.batching import PackedBatch
 from services.trainer.optim import Clip, apply_update
 from services.trainer.packing import active, pack_rows, packed_logits
 
-# (rows of the minibatch or None for all, their log-probs, their entropies) -> (loss, stats) of those rows
-LossOf = Callable[[Any, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
+# (rows of the minibatch or None for all, their log-probs, their entropies, each position's KL from the teacher's
+# top-k or None) -> (loss, stats) of those rows
+LossOf = Callable[[Any, torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, dict[str, float]]]
+
+
+@dataclasses.dataclass
+class TeacherTopK:
+    """A teacher's k likeliest next tokens at every position of a batch: ids long[B, L-1, k] and their log-probs
+    float[B, L-1, k] at the training temperature (on-policy distillation's forward-KL term)."""
+    ids: torch.Tensor
+    logp: torch.Tensor
+
+    def rows(self, index: torch.Tensor) -> TeacherTopK:
+        return TeacherTopK(self.ids[index], self.logp[index])
+
+    def at(self, cells: torch.Tensor) -> TeacherTopK:
+        """The positions where ``cells`` (bool[B, L-1]) is set, [N, k] each."""
+        return TeacherTopK(self.ids[cells], self.logp[cells])
 
 
 def _packed_logits(model: torch.nn.Module, batch: PackedBatch, cells: torch.Tensor):
@@ -90,25 +107,48 @@ def policy_logp(model: torch.nn.Module, batch: PackedBatch, temperature: float) 
     return token_logp(sequence_logits(model, batch), batch.input_ids[:, 1:], temperature)
 
 
-def logits_logp_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: float,
-                  entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """One log-softmax for both; the entropy keeps no vocabulary-sized graph unless ``entropy_grad``."""
+def logits_token_terms(logits: torch.Tensor, labels: torch.Tensor, temperature: float, entropy_grad: bool,
+                       teacher: TeacherTopK | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Log-probs of ``labels``, entropies and, with a ``teacher``, the KL from its top-k distribution (renormalised
+    over its k tokens) to the student's, all from one log-softmax. The entropy keeps no vocabulary-sized graph
+    unless ``entropy_grad``; the KL keeps its gradient (it is a loss term)."""
     logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
     logp = logprobs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     with contextlib.nullcontext() if entropy_grad else torch.no_grad():
         entropy = -(logprobs.exp() * logprobs).sum(-1)
+    kl = None
+    if teacher is not None:
+        target = torch.log_softmax(teacher.logp.float(), dim=-1)
+        kl = (target.exp() * (target - logprobs.gather(-1, teacher.ids))).sum(-1)
+    return logp, entropy, kl
+
+
+def logits_logp_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: float,
+                        entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    logp, entropy, _ = logits_token_terms(logits, labels, temperature, entropy_grad)
     return logp, entropy
+
+
+def token_terms(model: torch.nn.Module, batch: PackedBatch, temperature: float, *, entropy_grad: bool,
+                teacher: TeacherTopK | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs, entropies and (with a ``teacher``) KLs from its top-k, float[B, L-1] each, from one
+    forward and one log-softmax."""
+    if active() is not None:
+        cells = _trained_cells(batch)
+        logits, rows, cols = _packed_logits(model, batch, cells)
+        logp, entropy, kl = logits_token_terms(logits, batch.input_ids[:, 1:][cells], temperature, entropy_grad,
+                                               None if teacher is None else teacher.at(cells))
+        return (_on_grid(logp, rows, cols, batch), _on_grid(entropy, rows, cols, batch),
+                None if kl is None else _on_grid(kl, rows, cols, batch))
+    return logits_token_terms(sequence_logits(model, batch), batch.input_ids[:, 1:], temperature, entropy_grad,
+                              teacher)
 
 
 def logp_and_entropy(model: torch.nn.Module, batch: PackedBatch, temperature: float, *,
                      entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs and entropies, float[B, L-1] each, from one forward and one log-softmax."""
-    if active() is not None:
-        cells = _trained_cells(batch)
-        logits, rows, cols = _packed_logits(model, batch, cells)
-        logp, entropy = logits_logp_entropy(logits, batch.input_ids[:, 1:][cells], temperature, entropy_grad)
-        return _on_grid(logp, rows, cols, batch), _on_grid(entropy, rows, cols, batch)
-    return logits_logp_entropy(sequence_logits(model, batch), batch.input_ids[:, 1:], temperature, entropy_grad)
+    logp, entropy, _ = token_terms(model, batch, temperature, entropy_grad=entropy_grad)
+    return logp, entropy
 
 
 @contextlib.contextmanager
@@ -129,6 +169,14 @@ def frozen_logp(model: torch.nn.Module, batch: PackedBatch, temperature: float) 
         return policy_logp(model, batch, temperature)
 
 
+def frozen_topk(model: torch.nn.Module, batch: PackedBatch, temperature: float, k: int) -> TeacherTopK:
+    """The k likeliest next tokens at every position, no grad and no dropout (0 past each row's end)."""
+    with evaluating(model):
+        logprobs = torch.log_softmax(sequence_logits(model, batch).float() / temperature, dim=-1)
+        logp, ids = logprobs.topk(k, dim=-1)
+    return TeacherTopK(ids, logp)
+
+
 class Forwards:
     """How a training step runs the policy: here directly, one process computing whole rows' logits, the loss
     backpropagated by ``update``. A pipeline-parallel policy (``megatron/pipeline.py``) runs the same three calls
@@ -140,11 +188,12 @@ class Forwards:
     def frozen_logp(self, batch: PackedBatch, temperature: float) -> torch.Tensor:
         return frozen_logp(self.model, batch, temperature)
 
-    def loss(self, batch: PackedBatch, temperature: float, *, entropy_grad: bool, loss_of: LossOf
-             ) -> tuple[torch.Tensor, dict[str, float]]:
-        """``loss_of`` on every row of ``batch`` (one forward): the loss, still to be backpropagated, and stats."""
-        logp, entropy = logp_and_entropy(self.model, batch, temperature, entropy_grad=entropy_grad)
-        return loss_of(None, logp, entropy)
+    def loss(self, batch: PackedBatch, temperature: float, *, entropy_grad: bool, loss_of: LossOf,
+             teacher: TeacherTopK | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """``loss_of`` on every row of ``batch`` (one forward): the loss, still to be backpropagated, and stats.
+        ``teacher``: the rows' top-k targets, for the forward-KL term of on-policy distillation."""
+        logp, entropy, kl = token_terms(self.model, batch, temperature, entropy_grad=entropy_grad, teacher=teacher)
+        return loss_of(None, logp, entropy, kl)
 
     def update(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor, grad_clip: float,
                schedule: torch.optim.lr_scheduler.LRScheduler | None, clip: Clip | None) -> dict[str, float]:

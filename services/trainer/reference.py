@@ -11,7 +11,7 @@ import torch
 
 from services.common.errors import FieldError
 from services.trainer.batching import PackedBatch
-from services.trainer.forward import frozen_logp
+from services.trainer.forward import TeacherTopK, frozen_logp, frozen_topk
 from services.trainer.lora import is_lora
 from services.trainer.served_reference import ServedReference
 
@@ -72,3 +72,10 @@ class Reference:
             with self.model.disable_adapter():
                 return frozen_logp(self.model, batch, temperature)
         return frozen_logp(self.model, batch, temperature)
+
+    def top_logprobs(self, batch: PackedBatch, temperature: float, k: int) -> TeacherTopK:
+        """The reference's k likeliest next tokens at every position (distill_topk), no grad."""
+        if self.adapters_off:
+            with self.model.disable_adapter():
+                return frozen_topk(self.model, batch, temperature, k)
+        return frozen_topk(self.model, batch, temperature, k)

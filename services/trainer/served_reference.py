@@ -59,6 +59,10 @@ class ServedReference:
                 out[start + k, :len(scored)] = torch.tensor(scored, dtype=torch.float32)
         return out.to(batch.input_ids.device)
 
+    def top_logprobs(self, batch: PackedBatch, temperature: float, k: int):
+        raise ValueError("reference.served: distill_topk needs the teacher's whole next-token distribution; a served "
+                         "teacher returns the sampled tokens' log-probs only: load it here (reference.model_path)")
+
     def _post(self, url: str, body: dict) -> dict:
         deadline = time.monotonic() + self.wait_s
         while True:

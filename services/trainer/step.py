@@ -107,6 +107,9 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, algo: A
     if ref is not None:
         start = prox if prox is not None else every_row(lambda b: forwards.frozen_logp(b, temperature))
         metrics["kl_ref_k3"] = kl_to_reference(start, ref, batch.loss_mask)
+    k = algo.config.distill_topk
+    # every rank holds the whole batch: each computes the teacher's top-k (a no-grad forward) for all of it
+    teacher = reference.top_logprobs(batch, temperature, k) if k > 0 and reference is not None else None
     old_values = critic.frozen_values(batch) if critic is not None else None
     phases["recompute"] = time.perf_counter() - started  # no-grad forwards: prox, reference, critic
     result = algo.compute_advantages(
@@ -126,15 +129,17 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, algo: A
             part, scale, weight = shards.split(part, batch.loss_mask, algo.loss_weight)
         mb = batch.rows(part)
 
-        def loss_of(rows, logp, entropy, mb=mb, part=part, scale=scale):
+        def loss_of(rows, logp, entropy, teacher_kl, mb=mb, part=part, scale=scale):
             sub, at = (mb, part) if rows is None else (mb.rows(rows), part[rows])
             loss, stats = algo.policy_loss(
                 logp=logp, prox_logp=None if prox is None else prox[at], behav_logp=sub.behav_logp,
                 advantages=result.advantages[at], loss_mask=sub.loss_mask, versions=sub.versions,
-                current_version=version, entropy=entropy, ref_logp=None if ref is None else ref[at])
+                current_version=version, entropy=entropy, ref_logp=None if ref is None else ref[at],
+                teacher_kl=teacher_kl)
             return loss * scale, stats
 
-        loss, stats = forwards.loss(mb, temperature, entropy_grad=algo.config.entropy_coef > 0, loss_of=loss_of)
+        loss, stats = forwards.loss(mb, temperature, entropy_grad=algo.config.entropy_coef > 0, loss_of=loss_of,
+                                    teacher=None if teacher is None else teacher.rows(part))
         if shards is not None:
             stats = shards.mean_stats(stats, weight)
         finite = bool(torch.isfinite(loss)) if shards is None else shards.all_finite(loss)

@@ -87,3 +87,51 @@ def test_steps_bring_the_students_log_probs_to_the_teachers(dirs):
     after = gap()
     assert after < 0.6 * before, (before, after)
     assert metrics["kl_ref_k3"] >= 0
+
+
+def test_the_teachers_top_k_term_is_the_forward_kl_over_its_k_tokens_and_trains():
+    """distill_topk: at each trained position, KL(teacher's top-k renormalised || student) on those k ids, with its
+    gradient; zero where the student already gives those k tokens the teacher's proportions."""
+    from services.trainer.forward import TeacherTopK, logits_token_terms
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 11, generator=g, requires_grad=True)
+    teacher_logits = torch.randn(5, 11, generator=g)
+    top, ids = torch.log_softmax(teacher_logits, -1).topk(3, dim=-1)
+    _, _, kl = logits_token_terms(logits, torch.zeros(5, dtype=torch.long), 0.7, False, TeacherTopK(ids, top))
+    q = torch.softmax(top, -1)
+    student = torch.log_softmax(logits / 0.7, -1).gather(-1, ids)
+    torch.testing.assert_close(kl, (q * (q.log() - student)).sum(-1))
+    kl.sum().backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0
+    same = torch.full((5, 11), -30.0).scatter(-1, ids, top * 0.7)   # the student's logits at 0.7: top / 0.7 * 0.7
+    _, _, none = logits_token_terms(same, torch.zeros(5, dtype=torch.long), 0.7, False, TeacherTopK(ids, top))
+    assert float(none.abs().max()) < 1e-5
+
+
+def test_steps_with_the_teachers_top_k_bring_the_student_to_it(dirs):
+    student, teacher = dirs
+    engine = engine_for(student, "distill", reference=ReferenceConfig(model_path=teacher),
+                        optim=OptimConfig(lr=1e-2, minibatches=1),
+                        algo_overrides={"distill_coef": 0.0, "distill_topk": 8})   # the top-k term alone
+    batch = make_batch(engine.model, seed=0, version=0)
+    first = engine.step(batch, 0)
+    for step in range(1, 10):
+        metrics = engine.step(batch, step)
+    assert metrics["teacher_topk_kl"] < 0.6 * first["teacher_topk_kl"], (first["teacher_topk_kl"], metrics)
+
+
+def test_the_teachers_top_k_needs_it_loaded_in_the_trainer(dirs):
+    from services.common.errors import FieldError
+    from services.trainer.config import TrainerConfig
+
+    student, _ = dirs
+    served = ReferenceConfig(served="teacher", url="http://127.0.0.1:9/v1")
+    with pytest.raises(FieldError, match="^reference.served: distill_topk"):
+        TrainerConfig(model_path=student, algo="distill", wx_address="", reference=served,
+                      algo_overrides={"distill_topk": 8})
+    with pytest.raises(FieldError, match="^algo_overrides.distill_topk: the megatron backend"):
+        TrainerConfig(model_path=student, algo="distill", wx_address="", backend="megatron",
+                      reference=ReferenceConfig(model_path=student), algo_overrides={"distill_topk": 8})
+    with pytest.raises(ValueError, match="distill_topk=-1"):
+        AlgorithmConfig.from_preset("distill", distill_topk=-1)

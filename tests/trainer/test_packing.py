@@ -12,7 +12,7 @@ import transformers
 from services.common.contracts import data_pb2
 from services.trainer.algorithms import AlgorithmConfig, token_entropy, token_logp
 from services.trainer.batching import PackedBatch, pack
-from services.trainer.forward import logp_and_entropy, policy_logp, sequence_logits
+from services.trainer.forward import TeacherTopK, logp_and_entropy, policy_logp, sequence_logits, token_terms
 from services.trainer.models import TinyQwen3Config
 from services.trainer.packing import PackingConfig, first_fit_decreasing, pack_rows, packed_forwards
 from services.trainer.step import OptimConfig, train_step
@@ -116,7 +116,13 @@ def test_packed_log_probs_logits_and_entropies_equal_the_padded_ones(name, layou
             packed_logp = policy_logp(model, b, 0.7)
             packed_logits = sequence_logits(model, b)
             logp, entropy = logp_and_entropy(model, b, 0.7, entropy_grad=False)
+            top, ids = torch.log_softmax(logits.flip(-1), -1).topk(4, dim=-1)   # another model's 4 likeliest
+            teacher = TeacherTopK(ids, top)
+            *_, packed_kl = token_terms(model, b, 0.7, entropy_grad=False, teacher=teacher)
+        *_, padded_kl = token_terms(model, b, 0.7, entropy_grad=False, teacher=teacher)
     padded_logp = token_logp(logits, b.input_ids[:, 1:], 0.7)
+    torch.testing.assert_close(packed_kl[trained], padded_kl[trained], atol=1e-5, rtol=1e-5)
+    assert torch.all(packed_kl[~trained] == 0) and float(padded_kl[trained].min()) > 0
     torch.testing.assert_close(packed_logp[trained], padded_logp[trained], atol=1e-5, rtol=1e-5)
     assert torch.all(packed_logp[~trained] == 0)
     torch.testing.assert_close(packed_logits[real], logits[real], atol=1e-5, rtol=1e-5)

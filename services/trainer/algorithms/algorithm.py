@@ -45,7 +45,8 @@ class Algorithm:
     @property
     def needs_reference(self) -> bool:
         c = self.config
-        return c.kl_ctl > 0 or c.kl_loss_coef > 0 or c.distill_coef > 0 or c.objective == "dpo"
+        return (c.kl_ctl > 0 or c.kl_loss_coef > 0 or c.distill_coef > 0 or c.distill_topk > 0
+                or c.objective == "dpo")
 
     @property
     def needs_prox_logp(self) -> bool:
@@ -253,8 +254,10 @@ class Algorithm:
         current_version: int | None = None,
         entropy: torch.Tensor | None = None,
         ref_logp: torch.Tensor | None = None,
+        teacher_kl: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Scalar loss and float stats. See package docstring for the objective."""
+        """Scalar loss and float stats. See package docstring for the objective. ``teacher_kl``: float[B, L-1], each
+        position's forward KL from the teacher's top-k distribution (``distill_topk``), with its gradient."""
         c = self.config
         mask = loss_mask.bool()
         if c.objective == "sft":
@@ -299,8 +302,14 @@ class Algorithm:
                 torch.where(mask, logp, 0.0), torch.where(mask, ref_logp.detach(), 0.0), c.kl_loss_estimator
             )
             per_token = per_token + c.kl_loss_coef * torch.where(mask, kl, 0.0)
+        if c.distill_topk > 0:
+            if teacher_kl is None:
+                raise ValueError("distill_topk > 0 needs each position's KL from the teacher's top-k (teacher_kl)")
+            per_token = per_token + c.distill_topk_coef * torch.where(mask, teacher_kl, 0.0)
         loss = aggregate(per_token, mask, c.loss_agg, norm_constant=self._agg_constant())
         stats.update(self._stats(loss, terms, logp, centre, behav_logp, mask, kept, weight))
+        if teacher_kl is not None:
+            stats["teacher_topk_kl"] = float(masked_mean(teacher_kl.detach().float(), mask))
         with torch.no_grad():
             if entropy is not None:
                 stats["entropy"] = float(masked_mean(entropy.float(), mask))

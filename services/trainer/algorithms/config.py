@@ -57,6 +57,12 @@ class AlgorithmConfig:
     # teacher gives a student's rare wrong token -15 to -25 nats against +0.1 to +1 for a right one: those few tokens
     # then own the whole (norm-clipped) gradient and push the answer positions toward an average token
     distill_clip: float | None = None
+    # k > 0: also the forward KL from the teacher's top-k distribution (renormalised over its k tokens) at every
+    # trained position of the student's own samples (GKD's on-policy supervised term, beta = 0), weighted by
+    # distill_topk_coef. Sampled reverse KL only tells the student that a sampled token is bad; this names the
+    # teacher's choice at each position. Needs the teacher loaded in the trainer (reference.model_path)
+    distill_topk: int = 0
+    distill_topk_coef: float = 1.0
 
     # Advantages
     reward_level: str = "outcome"  # outcome (one reward per sequence) | process (per-step rewards, see algorithm.py)
@@ -118,6 +124,7 @@ class AlgorithmConfig:
             "dpo_beta",
             "norm_eps",
             "distill_clip",
+            "distill_topk_coef",
         )
         for name in _positive:
             value = getattr(self, name)
@@ -128,6 +135,8 @@ class AlgorithmConfig:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"algorithm setting {name}={value!r} must be >= 0")
+        if not 0 <= self.distill_topk <= 1024:
+            raise ValueError(f"algorithm setting distill_topk={self.distill_topk!r} must be in [0, 1024] (0: off)")
         if self.c_clip is not None and not self.c_clip > 1:
             raise ValueError(f"algorithm setting c_clip={self.c_clip!r} must be > 1")
         if self.c_clip is not None and self.objective not in ("ppo", "gspo"):

@@ -15,8 +15,8 @@ NOTES: dict[str, str] = {
     "groups with reward variance (builder option dynamic_sampling, set by the launcher from this setting)",
     "icepop": "the ratio band is the paper's [alpha, beta] = [0.5, 5] on pi_train(theta_old) / pi_infer; "
     "tokens outside it are dropped, not clamped",
-    "distill": "the teacher is trainer.reference.model_path (it must share the policy's tokenizer), run in the "
-    "trainer like a reference model rather than served beside the policy; the verifier's reward is off "
+    "distill": "the teacher is trainer.reference.model_path, run in the trainer like a reference model, or served "
+    "beside the stack (reference.served); it must share the policy's tokenizer; the verifier's reward is off "
     "(reward_scaling 0) unless mixed in",
     "kpop": "AReaL's rejection_sampling.metric=binary_kl; the threshold 0.1 is meshrl's default (a token with "
     "pi_behav 0.5 is masked once pi_prox leaves about [0.28, 0.72]); the kept tokens' weights are not capped",
@@ -72,6 +72,7 @@ def kl_term(c: AlgorithmConfig) -> str:
         return f"implicit (beta {c.dpo_beta:g}, {c.dpo_loss_type})"
     terms = [f"reward -{c.kl_ctl:g} {c.kl_estimator}"] if c.kl_ctl > 0 else []
     terms += [f"loss +{c.kl_loss_coef:g} {c.kl_loss_estimator}"] if c.kl_loss_coef > 0 else []
+    terms += [f"loss +{c.distill_topk_coef:g} KL(teacher top-{c.distill_topk} || student)"] if c.distill_topk else []
     return ", ".join(terms) or "off"
 
 

@@ -70,7 +70,7 @@ class TorchBackend(TrainerBackend):
         self.optimizer, self.schedule = config.optim.build(self.model, total_steps=config.total_steps)
         self.critic = config.critic.build(config.model_path, total_steps=config.total_steps) \
             if self.algo.needs_critic else None
-        if self.algo.config.distill_coef > 0 and not config.reference.url:
+        if (self.algo.config.distill_coef > 0 or self.algo.config.distill_topk > 0) and not config.reference.url:
             check_teacher_tokenizer(self.tokenizer, config.reference.model_path)
         self.reference = config.reference.build(self.model, config.model_path) \
             if self.algo.needs_reference or config.reference.always else None

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from services.trainer.batching import PackedBatch
-from services.trainer.forward import Forwards, LossOf, logits_logp_entropy
+from services.trainer.forward import Forwards, LossOf, TeacherTopK, logits_logp_entropy
 from services.trainer.megatron.model import sequence_width
 from services.trainer.optim import Clip, optimizer_step
 
@@ -76,9 +76,10 @@ class PipelineForwards(Forwards):
         dist.broadcast(out, src=self.last_rank, group=self.group)
         return out
 
-    def loss(self, batch: PackedBatch, temperature: float, *, entropy_grad: bool, loss_of: LossOf
-             ) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, batch: PackedBatch, temperature: float, *, entropy_grad: bool, loss_of: LossOf,
+             teacher: TeacherTopK | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """Forward and backward of every microbatch; the gradients are accumulated when this returns."""
+        assert teacher is None, "the trainer config refuses distill_topk with the megatron backend"
         micro, shape = self._microbatches(batch)
         total = max(self.loss_weight(batch.loss_mask), 1)
 
@@ -90,7 +91,7 @@ class PipelineForwards(Forwards):
                 return logits.sum() * 0.0, None
             logp, entropy = logits_logp_entropy(logits[:real.numel(), :length], batch.input_ids[real, 1:],
                                                 temperature, entropy_grad)
-            loss, stats = loss_of(real, logp, entropy)
+            loss, stats = loss_of(real, logp, entropy, None)
             weight = self.loss_weight(batch.loss_mask[real])
             return loss * (weight / total), (weight, float(loss.detach()) * weight / total, stats)
 

@@ -131,9 +131,6 @@ class TrainerConfig(ServiceConfig):
         check_device(self.device)
         algo = self.build_algorithm()  # an unknown preset or setting stops start-up here
         teacher = self.reference.model_path or self.reference.url or self.reference.served
-        if algo.config.distill_topk > 0 and (self.reference.url or self.reference.served):
-            raise FieldError("reference.served", "distill_topk needs the teacher's top-k at every position, which a "
-                             "served teacher does not return: load it in the trainer (reference.model_path)")
         if (algo.config.distill_coef > 0 or algo.config.distill_topk > 0) and not teacher:
             raise FieldError("reference.model_path", f"{self.algo!r} distils from a teacher: set its checkpoint here, "
                              "or serve it (reference.served; the default, the policy's own start, teaches nothing)")

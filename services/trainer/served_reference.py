@@ -15,6 +15,7 @@ import torch
 
 from services.common.errors import FieldError
 from services.trainer.batching import PackedBatch
+from services.trainer.forward import TeacherTopK
 
 PROBES = ("The answer is 42.\n", "<|im_start|>user\n2 + 2 = ?<|im_end|>\n", " caf\u00e9 \u4e16\u754c \U0001f600", "x = f(y) // 3;")
 
@@ -44,24 +45,40 @@ class ServedReference:
         """Per-token log-probs under the served model, float[B, L-1] (position t: token t + 1), 0 past each row."""
         if batch.pixel_values is not None:
             raise ValueError("reference.served: a served teacher scores token ids only; this batch has images")
-        lengths = batch.attention_mask.sum(-1).tolist()
-        rows = [ids[:n] for ids, n in zip(batch.input_ids.tolist(), lengths, strict=True)]
         out = torch.zeros(batch.input_ids.shape[0], batch.input_ids.shape[1] - 1)
-        for start in range(0, len(rows), self.rows_per_call):
-            chunk = rows[start:start + self.rows_per_call]
-            body = {"model": "teacher", "prompt": chunk, "echo": True, "max_tokens": 0, "logprobs": 0,
-                    "temperature": temperature}
-            choices = sorted(self._post(f"{self.url}/completions", body)["choices"], key=lambda c: c["index"])
-            for k, choice in enumerate(choices):
-                scored = choice["logprobs"]["token_logprobs"][1:]  # the first token has none
-                if len(scored) != len(chunk[k]) - 1:
-                    raise RuntimeError(f"reference.served: {len(scored)} log-probs for a {len(chunk[k])}-token row")
-                out[start + k, :len(scored)] = torch.tensor(scored, dtype=torch.float32)
+        for start, k, choice in self._scored(batch, temperature, 0):
+            scored = choice["logprobs"]["token_logprobs"][1:]  # the first token has none
+            out[start + k, :len(scored)] = torch.tensor(scored, dtype=torch.float32)
         return out.to(batch.input_ids.device)
 
-    def top_logprobs(self, batch: PackedBatch, temperature: float, k: int):
-        raise ValueError("reference.served: distill_topk needs the teacher's whole next-token distribution; a served "
-                         "teacher returns the sampled tokens' log-probs only: load it here (reference.model_path)")
+    def _scored(self, batch: PackedBatch, temperature: float, top: int):
+        """(first row of the call, row within it, choice) for every row, in calls of at most rows_per_call rows."""
+        lengths = batch.attention_mask.sum(-1).tolist()
+        rows = [ids[:n] for ids, n in zip(batch.input_ids.tolist(), lengths, strict=True)]
+        for start in range(0, len(rows), self.rows_per_call):
+            chunk = rows[start:start + self.rows_per_call]
+            body = {"model": "teacher", "prompt": chunk, "echo": True, "max_tokens": 0, "logprobs": top,
+                    "temperature": temperature, **({"return_tokens_as_token_ids": True} if top else {})}
+            choices = sorted(self._post(f"{self.url}/completions", body)["choices"], key=lambda c: c["index"])
+            for k, choice in enumerate(choices):
+                if len(choice["logprobs"]["token_logprobs"]) != len(chunk[k]):
+                    raise RuntimeError(f"reference.served: {len(choice['logprobs']['token_logprobs']) - 1} "
+                                       f"log-probs for a {len(chunk[k])}-token row")
+                yield start, k, choice
+
+    def top_logprobs(self, batch: PackedBatch, temperature: float, k: int) -> TeacherTopK:
+        """The served model's k likeliest next tokens at every position (``logprobs: k`` with token-id keys, as vLLM
+        answers ``return_tokens_as_token_ids``), long/float[B, L-1, k]; ids 0 and log-probs 0 past each row."""
+        ids = torch.zeros(*batch.input_ids.shape[:2], k, dtype=torch.long)[:, 1:]
+        logp = torch.zeros(ids.shape)
+        for start, k_row, choice in self._scored(batch, temperature, k):
+            for t, top in enumerate(choice["logprobs"]["top_logprobs"][1:]):
+                best = sorted(top.items(), key=lambda item: -item[1])[:k]  # vLLM adds the scored token: k + 1
+                if len(best) < k:
+                    raise RuntimeError(f"reference.served: {len(best)} top log-probs at a position, {k} asked for")
+                ids[start + k_row, t] = torch.tensor([int(key.removeprefix("token_id:")) for key, _ in best])
+                logp[start + k_row, t] = torch.tensor([value for _, value in best])
+        return TeacherTopK(ids.to(batch.input_ids.device), logp.to(batch.input_ids.device))
 
     def _post(self, url: str, body: dict) -> dict:
         deadline = time.monotonic() + self.wait_s

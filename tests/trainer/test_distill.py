@@ -121,15 +121,11 @@ def test_steps_with_the_teachers_top_k_bring_the_student_to_it(dirs):
     assert metrics["teacher_topk_kl"] < 0.6 * first["teacher_topk_kl"], (first["teacher_topk_kl"], metrics)
 
 
-def test_the_teachers_top_k_needs_it_loaded_in_the_trainer(dirs):
+def test_the_teachers_top_k_is_refused_where_it_is_not_built(dirs):
     from services.common.errors import FieldError
     from services.trainer.config import TrainerConfig
 
     student, _ = dirs
-    served = ReferenceConfig(served="teacher", url="http://127.0.0.1:9/v1")
-    with pytest.raises(FieldError, match="^reference.served: distill_topk"):
-        TrainerConfig(model_path=student, algo="distill", wx_address="", reference=served,
-                      algo_overrides={"distill_topk": 8})
     with pytest.raises(FieldError, match="^algo_overrides.distill_topk: the megatron backend"):
         TrainerConfig(model_path=student, algo="distill", wx_address="", backend="megatron",
                       reference=ReferenceConfig(model_path=student), algo_overrides={"distill_topk": 8})

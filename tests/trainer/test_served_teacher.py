@@ -54,6 +54,10 @@ def test_the_served_teachers_log_probs_are_the_loaded_ones(teacher, tiny_qwen3):
         torch.testing.assert_close(served.logp(batch, temperature)[real], local.logp(batch, temperature)[real],
                                    atol=2e-5, rtol=0)
     assert served.calls == 5 + 2 * 2  # the tokenizer probes, then two calls a batch
+    for temperature in (1.0, 0.7):   # the top-k of distill_topk, over HTTP with token-id keys
+        theirs, mine = served.top_logprobs(batch, temperature, 5), local.top_logprobs(batch, temperature, 5)
+        assert torch.equal(theirs.ids[real], mine.ids[real])
+        torch.testing.assert_close(theirs.logp[real], mine.logp[real], atol=2e-5, rtol=0)
 
 
 def test_a_teacher_reading_text_differently_is_refused(teacher, vlm_tokenizer):
@@ -70,8 +74,18 @@ def test_scoring_requests_are_checked_naming_the_field(teacher):
     ok = post({"prompt": [[65, 66, 67], [68, 69]]}).json()
     assert [c["logprobs"]["token_logprobs"][0] for c in ok["choices"]] == [None, None]
     assert [len(c["logprobs"]["token_logprobs"]) for c in ok["choices"]] == [3, 2]
+    assert [c["logprobs"]["top_logprobs"] for c in ok["choices"]] == [None, None]
     assert ok["usage"] == {"prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5}
+    top = post({"prompt": [65, 66, 67], "logprobs": 3}).json()["choices"][0]["logprobs"]
+    assert top["tokens"] == ["A", "B", "C"] and top["top_logprobs"][0] is None
+    assert [len(d) for d in top["top_logprobs"][1:]] == [3, 3]
+    assert all(max(d.values()) >= lp for d, lp in zip(top["top_logprobs"][1:], top["token_logprobs"][1:], strict=True))
+    keyed = post({"prompt": [65, 66, 67], "logprobs": 3, "return_tokens_as_token_ids": True}).json()["choices"][0]
+    assert keyed["logprobs"]["tokens"] == ["token_id:65", "token_id:66", "token_id:67"] and keyed["text"] == "ABC"
+    assert all(k.startswith("token_id:") for d in keyed["logprobs"]["top_logprobs"][1:] for k in d)
     for body, field in (({"prompt": [65, 66], "max_tokens": 1}, "max_tokens"),
+                        ({"prompt": [65, 66], "logprobs": 21}, "logprobs"),
+                        ({"prompt": [65, 66], "return_tokens_as_token_ids": "yes"}, "return_tokens_as_token_ids"),
                         ({"prompt": [[65], [10 ** 6]]}, "prompt[1]"),
                         ({"prompt": "text"}, "prompt"),
                         ({"prompt": [65, 66], "stream": True}, "stream")):
@@ -96,9 +110,9 @@ def test_the_engine_scores_between_steps_and_refuses_once_stopped(tiny_qwen3, mo
         whole = asyncio.run(asyncio.wait_for(engine.score(contexts), DEADLINE))
         monkeypatch.setattr(runner, "SCORE_TOKENS", 12)  # a forward per row or two
         chunked = asyncio.run(asyncio.wait_for(engine.score(contexts), DEADLINE))
-        assert [len(c) for c in chunked] == [len(c) - 1 for c in contexts]
-        assert sum(chunked, []) == pytest.approx(sum(whole, []), abs=2e-5)
-        for ids, scored in zip(contexts, whole, strict=True):
+        assert [len(c.logprobs) for c in chunked] == [len(c) - 1 for c in contexts]
+        assert sum((c.logprobs for c in chunked), []) == pytest.approx(sum((c.logprobs for c in whole), []), abs=2e-5)
+        for ids, (scored, *_) in zip(contexts, whole, strict=True):
             with torch.no_grad():
                 own = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1], -1)
             torch.testing.assert_close(torch.tensor(scored), own.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0],

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,14 @@ from services.rollout.engines.scheduler import Step
 from services.rollout.engines.sequence import Sequence, Status
 
 SLACK = 64  # spare KV columns allocated beyond what a layer holds (and at least half its length)
+class Scored(NamedTuple):
+    """A scored context: each token's log-prob from the second on, and at each of those positions the likeliest
+    tokens' ids and log-probs (empty lists unless asked for)."""
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
 SCORE_TOKENS = 2048  # (padded) tokens per scoring forward: its logits are that many vocabulary-wide rows
 
 
@@ -178,21 +187,22 @@ class ModelRunner:
         return tokens.tolist(), logprobs.tolist()
 
     @torch.inference_mode()
-    def score(self, contexts: list[list[int]], temperature: float) -> list[list[float]]:
+    def score(self, contexts: list[list[int]], temperature: float, top: int = 0) -> list[Scored]:
         """Each context's token log-probs under the model (token t given tokens < t, softmax(logits / temperature);
-        the first token has none): left-padded forwards of at most SCORE_TOKENS tokens, outside the generation's KV
-        cache (a long batch is not one vocabulary-wide tensor)."""
-        out: list[list[float]] = []
+        the first token has none) and, with ``top``, the ``top`` likeliest tokens at each of those positions:
+        left-padded forwards of at most SCORE_TOKENS tokens, outside the generation's KV cache (a long batch is not
+        one vocabulary-wide tensor)."""
+        out: list[Scored] = []
         start = 0
         while start < len(contexts):
             width, end = len(contexts[start]), start + 1
             while end < len(contexts) and max(width, len(contexts[end])) * (end + 1 - start) <= SCORE_TOKENS:
                 width, end = max(width, len(contexts[end])), end + 1
-            out += self._score(contexts[start:end], temperature)
+            out += self._score(contexts[start:end], temperature, top)
             start = end
         return out
 
-    def _score(self, contexts: list[list[int]], temperature: float) -> list[list[float]]:
+    def _score(self, contexts: list[list[int]], temperature: float, top: int) -> list[Scored]:
         width = max(len(c) for c in contexts)
         ids = torch.full((len(contexts), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(contexts), width), dtype=torch.long)
@@ -202,9 +212,13 @@ class ModelRunner:
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
-        logits = logits[:, :-1].float() / max(temperature, 1e-4)
-        taken = (logits.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)).cpu()
-        return [taken[i, width - len(ctx):].tolist() for i, ctx in enumerate(contexts)]
+        logprobs = torch.log_softmax(logits[:, :-1].float() / max(temperature, 1e-4), dim=-1)
+        taken = logprobs.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1).cpu()
+        if not top:
+            return [Scored(taken[i, width - len(c):].tolist(), [], []) for i, c in enumerate(contexts)]
+        best, best_ids = (t.cpu() for t in logprobs.topk(top, dim=-1))
+        return [Scored(taken[i, width - len(c):].tolist(), best_ids[i, width - len(c):].tolist(),
+                       best[i, width - len(c):].tolist()) for i, c in enumerate(contexts)]
 
     def drop_cache(self) -> None:
         self._cache = None

@@ -38,7 +38,7 @@ from services.common.logging import get_logger
 from services.common.torch_threads import fix_torch_threads
 from services.rollout.engines.base import EngineStats, EngineUnhealthy, check_images, check_request, check_token_ids
 from services.rollout.engines.lora_merge import AdapterConfig, AdapterMerge
-from services.rollout.engines.runner import ModelRunner
+from services.rollout.engines.runner import ModelRunner, Scored
 from services.rollout.engines.scheduler import Scheduler, Step
 from services.rollout.engines.sequence import Images, Sampling, Sequence, Status
 
@@ -209,9 +209,10 @@ class EmbeddedEngine:
             raise
         return seqs
 
-    async def score(self, contexts: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
-        """Each context's token log-probs under the loaded weights (a frozen teacher scoring a student's samples),
-        computed on the engine's thread between two generation steps, never while paused for a weight update."""
+    async def score(self, contexts: list[list[int]], temperature: float = 1.0, top: int = 0) -> list[Scored]:
+        """Each context's token log-probs under the loaded weights (a frozen teacher scoring a student's samples)
+        and, with ``top``, the likeliest tokens at each position, computed on the engine's thread between two
+        generation steps, never while paused for a weight update."""
         for i, ctx in enumerate(contexts):
             if len(ctx) > self.max_context:
                 raise FieldError(f"prompt[{i}]", f"{len(ctx)} tokens, the engine holds at most {self.max_context}")
@@ -230,7 +231,7 @@ class EmbeddedEngine:
                 raise EngineUnhealthy(self.failure)
             if self._stopped:
                 raise RuntimeError("engine stopped")
-            self._jobs.append((lambda: self.runner.score(contexts, temperature), deliver))
+            self._jobs.append((lambda: self.runner.score(contexts, temperature, top), deliver))
             self._cv.notify_all()
         return await done
 

@@ -153,7 +153,8 @@ class Gateway:
         self.check_room(None)
         self.inflight += 1
         try:
-            logprobs = await asyncio.wait_for(scorer(req.prompts, req.temperature), self.config.request_timeout_s)
+            scored = await asyncio.wait_for(scorer(req.prompts, req.temperature, req.top),
+                                            self.config.request_timeout_s)
         except TimeoutError as exc:
             raise ApiError(504, f"scoring took longer than {self.config.request_timeout_s:g} s") from exc
         except RuntimeError as exc:
@@ -161,7 +162,7 @@ class Gateway:
         finally:
             self.inflight -= 1
         metrics.PROMPT_TOKENS.inc(sum(len(p) for p in req.prompts))
-        return score_response(req, logprobs, int(time.time()), ID_PREFIX["completions"] + uuid.uuid4().hex[:24],
+        return score_response(req, scored, int(time.time()), ID_PREFIX["completions"] + uuid.uuid4().hex[:24],
                               self.fmt.token_text)
 
     async def _admit(self, session: Session | None) -> None:

@@ -111,9 +111,8 @@ def test_the_teachers_top_k_term_is_the_forward_kl_over_its_k_tokens_and_trains(
 
 def test_steps_with_the_teachers_top_k_bring_the_student_to_it(dirs):
     student, teacher = dirs
-    engine = engine_for(student, "distill", reference=ReferenceConfig(model_path=teacher),
-                        optim=OptimConfig(lr=1e-2, minibatches=1),
-                        algo_overrides={"distill_coef": 0.0, "distill_topk": 8})   # the top-k term alone
+    engine = engine_for(student, "gkd", reference=ReferenceConfig(model_path=teacher),   # the top-k term alone
+                        optim=OptimConfig(lr=1e-2, minibatches=1), algo_overrides={"distill_topk": 8})
     batch = make_batch(engine.model, seed=0, version=0)
     first = engine.step(batch, 0)
     for step in range(1, 10):
@@ -126,6 +125,8 @@ def test_the_teachers_top_k_is_refused_where_it_is_not_built(dirs):
     from services.trainer.config import TrainerConfig
 
     student, _ = dirs
+    with pytest.raises(FieldError, match="^reference.model_path: 'gkd' distils from a teacher"):
+        TrainerConfig(model_path=student, algo="gkd", wx_address="")
     with pytest.raises(FieldError, match="^algo_overrides.distill_topk: the megatron backend"):
         TrainerConfig(model_path=student, algo="distill", wx_address="", backend="megatron",
                       reference=ReferenceConfig(model_path=student), algo_overrides={"distill_topk": 8})

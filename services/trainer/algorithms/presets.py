@@ -112,6 +112,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         **_DECOUPLED,
         "loss_agg": "token_mean",
     },
+    "gkd": {
+        "objective": "ppo",
+        **_GROUP,
+        "reward_scaling": 0.0,
+        "distill_topk": 20,
+        "eps_clip": 0.2,
+        **_DECOUPLED,
+        "loss_agg": "token_mean",
+    },
     "dpo": {"objective": "dpo", "dpo_beta": 0.1, "dpo_loss_type": "sigmoid"},
     "sft": {"objective": "sft", "loss_agg": "token_mean"},
 }
@@ -132,6 +141,8 @@ DESCRIPTIONS: dict[str, str] = {
     "icepop": "IcePop: tokens whose train/infer ratio leaves [0.5, 5] are masked (two-sided), PPO clip",
     "kpop": "KPop: tokens whose binary KL between train and infer probability exceeds 0.1 are masked, PPO clip",
     "distill": "on-policy distillation: each sampled token's advantage is log pi_teacher - log pi_student",
+    "gkd": "on-policy distillation on the teacher's top-k: forward KL from its 20 likeliest tokens at every position "
+           "of the student's samples (GKD, beta 0)",
     "dpo": "DPO: offline preference pairs against a frozen reference",
     "sft": "SFT: negative log-likelihood of the trained tokens",
 }

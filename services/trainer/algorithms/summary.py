@@ -47,6 +47,8 @@ def advantage(c: AlgorithmConfig) -> str:
         ratio = "log pi_teacher - log pi_student"
         ratio = f"clip({ratio}, +-{c.distill_clip:g})" if c.distill_clip is not None else f"({ratio})"
         text = f"{c.distill_coef:g} x {ratio} per token{outcome}"
+    elif c.reward_scaling == 0:
+        text = "none (reward_scaling 0)"
     extras = [e for e, on in (("batch-whitened", c.adv_norm), ("overlong penalty", c.overlong_penalty),
                               ("dynamic sampling", c.dynamic_sampling)) if on]
     return text + "".join(f", {e}" for e in extras)

@@ -136,7 +136,8 @@ def test_prompt_and_padding_tokens_never_contribute(name):
     algo = _build(name, entropy_coef=0.01, kl_loss_coef=0.1)  # exercise every per-token term
     entropy = torch.rand(B, T, requires_grad=True)
     ref = batch["behav_logp"] - 0.1
-    clean, _ = algo.policy_loss(**batch, entropy=entropy, ref_logp=ref)
+    teacher_kl = torch.rand(B, T) if algo.config.distill_topk else None   # gkd's per-token term
+    clean, _ = algo.policy_loss(**batch, entropy=entropy, ref_logp=ref, teacher_kl=teacher_kl)
     clean_grad, clean_entropy_grad = torch.autograd.grad(clean, (batch["logp"], entropy))
     off = ~batch["loss_mask"].bool()
     dirty = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in batch.items()}
@@ -149,7 +150,11 @@ def test_prompt_and_padding_tokens_never_contribute(name):
     entropy_dirty.requires_grad_()
     ref_dirty = ref.clone()
     ref_dirty[off] = float("inf")
-    loss, stats = algo.policy_loss(**dirty, entropy=entropy_dirty, ref_logp=ref_dirty)
+    kl_dirty = None
+    if teacher_kl is not None:
+        kl_dirty = teacher_kl.clone()
+        kl_dirty[off] = float("nan")
+    loss, stats = algo.policy_loss(**dirty, entropy=entropy_dirty, ref_logp=ref_dirty, teacher_kl=kl_dirty)
     grad, entropy_grad = torch.autograd.grad(loss, (dirty["logp"], entropy_dirty))
     torch.testing.assert_close(loss, clean)
     assert torch.all(grad[off] == 0) and torch.isfinite(grad).all()

@@ -83,7 +83,7 @@ def teacher_dir(tmp_path_factory, model_dir) -> str:
 
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_every_preset_runs_steps_with_finite_loss(name, model_dir, teacher_dir):
-    extra = {"reference": ReferenceConfig(model_path=teacher_dir)} if name == "distill" else {}
+    extra = {"reference": ReferenceConfig(model_path=teacher_dir)} if name in ("distill", "gkd") else {}
     engine = engine_for(model_dir, name, **extra)
     before = {k: v.detach().clone() for k, v in engine.weights().items()}
     for version in range(2):
@@ -94,7 +94,7 @@ def test_every_preset_runs_steps_with_finite_loss(name, model_dir, teacher_dir):
             == GROUPS * GROUP
     assert any(not torch.equal(before[k], v) for k, v in engine.weights().items()), "the policy did not move"
     assert (engine.critic is not None) == (name == "ppo")
-    assert (engine.reference is not None) == (name in ("reinforce_pp", "dpo", "distill"))
+    assert (engine.reference is not None) == (name in ("reinforce_pp", "dpo", "distill", "gkd"))
     if name == "dapo":
         assert metrics["groups_dropped"] == 1 and metrics["samples_kept"] == (GROUPS - 1) * GROUP
     if name == "dpo":

@@ -109,17 +109,21 @@ def policy_logp(model: torch.nn.Module, batch: PackedBatch, temperature: float) 
 
 def logits_token_terms(logits: torch.Tensor, labels: torch.Tensor, temperature: float, entropy_grad: bool,
                        teacher: TeacherTopK | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Log-probs of ``labels``, entropies and, with a ``teacher``, the KL from its top-k distribution (renormalised
-    over its k tokens) to the student's, all from one log-softmax. The entropy keeps no vocabulary-sized graph
-    unless ``entropy_grad``; the KL keeps its gradient (it is a loss term)."""
+    """Log-probs of ``labels``, entropies and, with a ``teacher``, the KL from the teacher to the student over the
+    teacher's k likeliest tokens and one bucket for all the others, all from one log-softmax. The bucket makes it
+    the exact KL of the two distributions coarsened the same way: 0, with no gradient, where the student equals
+    the teacher (renormalising over the k would push even an equal student to drop its tail). The entropy keeps
+    no vocabulary-sized graph unless ``entropy_grad``; the KL keeps its gradient (it is a loss term)."""
     logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
     logp = logprobs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     with contextlib.nullcontext() if entropy_grad else torch.no_grad():
         entropy = -(logprobs.exp() * logprobs).sum(-1)
     kl = None
     if teacher is not None:
-        target = torch.log_softmax(teacher.logp.float(), dim=-1)
-        kl = (target.exp() * (target - logprobs.gather(-1, teacher.ids))).sum(-1)
+        theirs, mine = teacher.logp.float(), logprobs.gather(-1, teacher.ids)
+        rest = (1 - theirs.exp().sum(-1)).clamp(min=0)
+        mine_rest = (1 - mine.exp().sum(-1)).clamp(min=1e-12)
+        kl = (theirs.exp() * (theirs - mine)).sum(-1) + torch.xlogy(rest, rest) - rest * mine_rest.log()
     return logp, entropy, kl
 
 

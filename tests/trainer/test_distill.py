@@ -89,9 +89,9 @@ def test_steps_bring_the_students_log_probs_to_the_teachers(dirs):
     assert metrics["kl_ref_k3"] >= 0
 
 
-def test_the_teachers_top_k_term_is_the_forward_kl_over_its_k_tokens_and_trains():
-    """distill_topk: at each trained position, KL(teacher's top-k renormalised || student) on those k ids, with its
-    gradient; zero where the student already gives those k tokens the teacher's proportions."""
+def test_the_teachers_top_k_term_is_the_forward_kl_over_its_k_tokens_and_the_rest_and_trains():
+    """distill_topk: at each trained position, KL(teacher || student) over the teacher's k likeliest ids and one
+    bucket for the rest, with its gradient; zero, and no gradient, where the student is the teacher."""
     from services.trainer.forward import TeacherTopK, logits_token_terms
 
     g = torch.Generator().manual_seed(0)
@@ -99,14 +99,17 @@ def test_the_teachers_top_k_term_is_the_forward_kl_over_its_k_tokens_and_trains(
     teacher_logits = torch.randn(5, 11, generator=g)
     top, ids = torch.log_softmax(teacher_logits, -1).topk(3, dim=-1)
     _, _, kl = logits_token_terms(logits, torch.zeros(5, dtype=torch.long), 0.7, False, TeacherTopK(ids, top))
-    q = torch.softmax(top, -1)
-    student = torch.log_softmax(logits / 0.7, -1).gather(-1, ids)
-    torch.testing.assert_close(kl, (q * (q.log() - student)).sum(-1))
+    student = torch.log_softmax(logits / 0.7, -1)
+    q = torch.cat([top.exp(), 1 - top.exp().sum(-1, keepdim=True)], -1)   # the coarsened distributions
+    s = torch.cat([student.gather(-1, ids).exp(), 1 - student.gather(-1, ids).exp().sum(-1, keepdim=True)], -1)
+    torch.testing.assert_close(kl, (q * (q.log() - s.log())).sum(-1))
+    assert float(kl.detach().min()) > 0
     kl.sum().backward()
     assert logits.grad is not None and logits.grad.abs().sum() > 0
-    same = torch.full((5, 11), -30.0).scatter(-1, ids, top * 0.7)   # the student's logits at 0.7: top / 0.7 * 0.7
+    same = (teacher_logits * 0.7).requires_grad_()   # the student's distribution at 0.7 is the teacher's
     _, _, none = logits_token_terms(same, torch.zeros(5, dtype=torch.long), 0.7, False, TeacherTopK(ids, top))
-    assert float(none.abs().max()) < 1e-5
+    none.sum().backward()
+    assert float(none.detach().abs().max()) < 1e-5 and float(same.grad.abs().max()) < 1e-5
 
 
 def test_steps_with_the_teachers_top_k_bring_the_student_to_it(dirs):

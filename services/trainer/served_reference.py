@@ -43,16 +43,16 @@ class ServedReference:
 
     def logp(self, batch: PackedBatch, temperature: float) -> torch.Tensor:
         """Per-token log-probs under the served model, float[B, L-1] (position t: token t + 1), 0 past each row."""
-        if batch.pixel_values is not None:
-            raise ValueError("reference.served: a served teacher scores token ids only; this batch has images")
         out = torch.zeros(batch.input_ids.shape[0], batch.input_ids.shape[1] - 1)
-        for start, k, choice in self._scored(batch, temperature, 0):
+        for row, choice in self._scored(batch, temperature, 0):
             scored = choice["logprobs"]["token_logprobs"][1:]  # the first token has none
-            out[start + k, :len(scored)] = torch.tensor(scored, dtype=torch.float32)
+            out[row, :len(scored)] = torch.tensor(scored, dtype=torch.float32)
         return out.to(batch.input_ids.device)
 
     def _scored(self, batch: PackedBatch, temperature: float, top: int):
-        """(first row of the call, row within it, choice) for every row, in calls of at most rows_per_call rows."""
+        """(row, its choice) for every row of ``batch``, in calls of at most rows_per_call rows."""
+        if batch.pixel_values is not None:
+            raise ValueError("reference.served: a served teacher scores token ids only; this batch has images")
         lengths = batch.attention_mask.sum(-1).tolist()
         rows = [ids[:n] for ids, n in zip(batch.input_ids.tolist(), lengths, strict=True)]
         for start in range(0, len(rows), self.rows_per_call):
@@ -60,24 +60,24 @@ class ServedReference:
             body = {"model": "teacher", "prompt": chunk, "echo": True, "max_tokens": 0, "logprobs": top,
                     "temperature": temperature, **({"return_tokens_as_token_ids": True} if top else {})}
             choices = sorted(self._post(f"{self.url}/completions", body)["choices"], key=lambda c: c["index"])
-            for k, choice in enumerate(choices):
-                if len(choice["logprobs"]["token_logprobs"]) != len(chunk[k]):
+            for i, choice in enumerate(choices):
+                if len(choice["logprobs"]["token_logprobs"]) != len(chunk[i]):
                     raise RuntimeError(f"reference.served: {len(choice['logprobs']['token_logprobs']) - 1} "
-                                       f"log-probs for a {len(chunk[k])}-token row")
-                yield start, k, choice
+                                       f"log-probs for a {len(chunk[i])}-token row")
+                yield start + i, choice
 
     def top_logprobs(self, batch: PackedBatch, temperature: float, k: int) -> TeacherTopK:
         """The served model's k likeliest next tokens at every position (``logprobs: k`` with token-id keys, as vLLM
         answers ``return_tokens_as_token_ids``), long/float[B, L-1, k]; ids 0 and log-probs 0 past each row."""
-        ids = torch.zeros(*batch.input_ids.shape[:2], k, dtype=torch.long)[:, 1:]
+        ids = torch.zeros(batch.input_ids.shape[0], batch.input_ids.shape[1] - 1, k, dtype=torch.long)
         logp = torch.zeros(ids.shape)
-        for start, k_row, choice in self._scored(batch, temperature, k):
+        for row, choice in self._scored(batch, temperature, k):
             for t, top in enumerate(choice["logprobs"]["top_logprobs"][1:]):
                 best = sorted(top.items(), key=lambda item: -item[1])[:k]  # vLLM adds the scored token: k + 1
                 if len(best) < k:
                     raise RuntimeError(f"reference.served: {len(best)} top log-probs at a position, {k} asked for")
-                ids[start + k_row, t] = torch.tensor([int(key.removeprefix("token_id:")) for key, _ in best])
-                logp[start + k_row, t] = torch.tensor([value for _, value in best])
+                ids[row, t] = torch.tensor([int(key.removeprefix("token_id:")) for key, _ in best])
+                logp[row, t] = torch.tensor([value for _, value in best])
         return TeacherTopK(ids.to(batch.input_ids.device), logp.to(batch.input_ids.device))
 
     def _post(self, url: str, body: dict) -> dict:

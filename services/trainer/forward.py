@@ -120,10 +120,15 @@ def logits_token_terms(logits: torch.Tensor, labels: torch.Tensor, temperature: 
         entropy = -(logprobs.exp() * logprobs).sum(-1)
     kl = None
     if teacher is not None:
+        if teacher.ids.shape[-1] >= logits.shape[-1]:
+            raise ValueError(f"distill_topk: {teacher.ids.shape[-1]} tokens, the vocabulary has {logits.shape[-1]}: "
+                             "take fewer (the rest of the vocabulary is one bucket)")
         theirs, mine = teacher.logp.float(), logprobs.gather(-1, teacher.ids)
         rest = (1 - theirs.exp().sum(-1)).clamp(min=0)
-        mine_rest = (1 - mine.exp().sum(-1)).clamp(min=1e-12)
-        kl = (theirs.exp() * (theirs - mine)).sum(-1) + torch.xlogy(rest, rest) - rest * mine_rest.log()
+        # the student's rest from its own log-probs, not 1 - sum: a peaked student's rest (1e-7 and less) is below
+        # float32's rounding of that difference, and its log would be noise with a large gradient
+        mine_rest = logprobs.scatter(-1, teacher.ids, float("-inf")).logsumexp(-1)
+        kl = (theirs.exp() * (theirs - mine)).sum(-1) + torch.xlogy(rest, rest) - rest * mine_rest
     return logp, entropy, kl
 
 

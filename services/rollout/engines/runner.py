@@ -35,6 +35,8 @@ from services.rollout.engines.scheduler import Step
 from services.rollout.engines.sequence import Sequence, Status
 
 SLACK = 64  # spare KV columns allocated beyond what a layer holds (and at least half its length)
+
+
 class Scored(NamedTuple):
     """A scored context: each token's log-prob from the second on, and at each of those positions the likeliest
     tokens' ids and log-probs (empty lists unless asked for)."""

@@ -79,8 +79,7 @@ def score_response(req: ScoreRequest, scored: list, created: int, completion_id:
                            for tids, lps in zip(one.top_ids, one.top_logprobs, strict=True))]
         choices.append({"index": i, "text": "".join(texts), "finish_reason": "length",
                         "logprobs": {"tokens": [key(t) for t in ids], "token_logprobs": [None, *one.logprobs],
-                                     "top_logprobs": top,
-                                     "text_offset": offsets}})
+                                     "top_logprobs": top, "text_offset": offsets}})
     total = sum(len(p) for p in req.prompts)
     return {"id": completion_id, "object": "text_completion", "created": created, "model": req.model, "choices": choices,
             "usage": {"prompt_tokens": total, "completion_tokens": 0, "total_tokens": total}}

@@ -57,10 +57,10 @@ class AlgorithmConfig:
     # teacher gives a student's rare wrong token -15 to -25 nats against +0.1 to +1 for a right one: those few tokens
     # then own the whole (norm-clipped) gradient and push the answer positions toward an average token
     distill_clip: float | None = None
-    # k > 0: also the forward KL from the teacher's top-k distribution (renormalised over its k tokens) at every
-    # trained position of the student's own samples (GKD's on-policy supervised term, beta = 0), weighted by
-    # distill_topk_coef. Sampled reverse KL only tells the student that a sampled token is bad; this names the
-    # teacher's choice at each position. Needs the teacher loaded in the trainer (reference.model_path)
+    # k > 0: also the forward KL from the teacher to the student over the teacher's k likeliest tokens and one bucket
+    # for the rest, at every trained position of the student's own samples (GKD's on-policy supervised term, beta 0),
+    # weighted by distill_topk_coef. Sampled reverse KL only tells the student that a sampled token is bad; this
+    # names the teacher's choice at each position. The teacher loaded here or served (asked for logprobs k)
     distill_topk: int = 0
     distill_topk_coef: float = 1.0
 

@@ -178,12 +178,15 @@ def frozen_logp(model: torch.nn.Module, batch: PackedBatch, temperature: float) 
         return policy_logp(model, batch, temperature)
 
 
-def frozen_topk(model: torch.nn.Module, batch: PackedBatch, temperature: float, k: int) -> TeacherTopK:
-    """The k likeliest next tokens at every position, no grad and no dropout (0 past each row's end)."""
+def frozen_logp_and_topk(model: torch.nn.Module, batch: PackedBatch, temperature: float,
+                         k: int) -> tuple[torch.Tensor, TeacherTopK]:
+    """From one forward with no grad and no dropout: each token's log-prob, float[B, L-1], and the k likeliest next
+    tokens at every position (0 past each row's end)."""
     with evaluating(model):
         logprobs = torch.log_softmax(sequence_logits(model, batch).float() / temperature, dim=-1)
-        logp, ids = logprobs.topk(k, dim=-1)
-    return TeacherTopK(ids, logp)
+        taken = logprobs.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        top, ids = logprobs.topk(k, dim=-1)
+    return taken, TeacherTopK(ids, top)
 
 
 class Forwards:

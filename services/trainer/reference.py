@@ -4,6 +4,7 @@ with its adapters switched off, so it costs no second copy of the weights."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pathlib
 
@@ -11,7 +12,7 @@ import torch
 
 from services.common.errors import FieldError
 from services.trainer.batching import PackedBatch
-from services.trainer.forward import TeacherTopK, frozen_logp, frozen_topk
+from services.trainer.forward import TeacherTopK, frozen_logp, frozen_logp_and_topk
 from services.trainer.lora import is_lora
 from services.trainer.served_reference import ServedReference
 
@@ -66,16 +67,16 @@ class Reference:
         self.model = model
         self.adapters_off = adapters_off
 
+    def _weights(self):
+        """The reference's weights for the duration: the policy's with its adapters off, or its own model's."""
+        return self.model.disable_adapter() if self.adapters_off else contextlib.nullcontext()
+
     def logp(self, batch: PackedBatch, temperature: float) -> torch.Tensor:
         """Per-token log-probs under the reference, float[B, L-1], no grad."""
-        if self.adapters_off:
-            with self.model.disable_adapter():
-                return frozen_logp(self.model, batch, temperature)
-        return frozen_logp(self.model, batch, temperature)
+        with self._weights():
+            return frozen_logp(self.model, batch, temperature)
 
-    def top_logprobs(self, batch: PackedBatch, temperature: float, k: int) -> TeacherTopK:
-        """The reference's k likeliest next tokens at every position (distill_topk), no grad."""
-        if self.adapters_off:
-            with self.model.disable_adapter():
-                return frozen_topk(self.model, batch, temperature, k)
-        return frozen_topk(self.model, batch, temperature, k)
+    def logp_and_top(self, batch: PackedBatch, temperature: float, k: int) -> tuple[torch.Tensor, TeacherTopK]:
+        """``logp`` and the k likeliest next tokens at every position (distill_topk), from one forward."""
+        with self._weights():
+            return frozen_logp_and_topk(self.model, batch, temperature, k)

@@ -66,19 +66,24 @@ class ServedReference:
                                        f"log-probs for a {len(chunk[i])}-token row")
                 yield start + i, choice
 
-    def top_logprobs(self, batch: PackedBatch, temperature: float, k: int) -> TeacherTopK:
-        """The served model's k likeliest next tokens at every position (``logprobs: k`` with token-id keys, as vLLM
-        answers ``return_tokens_as_token_ids``), long/float[B, L-1, k]; ids 0 and log-probs 0 past each row."""
-        ids = torch.zeros(batch.input_ids.shape[0], batch.input_ids.shape[1] - 1, k, dtype=torch.long)
+    def logp_and_top(self, batch: PackedBatch, temperature: float, k: int) -> tuple[torch.Tensor, TeacherTopK]:
+        """``logp`` and the served model's k likeliest next tokens at every position, long/float[B, L-1, k] (ids 0
+        and log-probs 0 past each row), from the same calls (``logprobs: k`` with token-id keys, as vLLM answers
+        ``return_tokens_as_token_ids``)."""
+        taken = torch.zeros(batch.input_ids.shape[0], batch.input_ids.shape[1] - 1)
+        ids = torch.zeros(*taken.shape, k, dtype=torch.long)
         logp = torch.zeros(ids.shape)
         for row, choice in self._scored(batch, temperature, k):
+            scored = choice["logprobs"]["token_logprobs"][1:]
+            taken[row, :len(scored)] = torch.tensor(scored, dtype=torch.float32)
             for t, top in enumerate(choice["logprobs"]["top_logprobs"][1:]):
                 best = sorted(top.items(), key=lambda item: -item[1])[:k]  # vLLM adds the scored token: k + 1
                 if len(best) < k:
                     raise RuntimeError(f"reference.served: {len(best)} top log-probs at a position, {k} asked for")
                 ids[row, t] = torch.tensor([int(key.removeprefix("token_id:")) for key, _ in best])
                 logp[row, t] = torch.tensor([value for _, value in best])
-        return TeacherTopK(ids.to(batch.input_ids.device), logp.to(batch.input_ids.device))
+        device = batch.input_ids.device
+        return taken.to(device), TeacherTopK(ids.to(device), logp.to(device))
 
     def _post(self, url: str, body: dict) -> dict:
         deadline = time.monotonic() + self.wait_s

@@ -103,13 +103,17 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, algo: A
         return fn(batch) if shards is None else shards.gather_rows(fn, batch)
 
     prox = every_row(lambda b: forwards.frozen_logp(b, temperature)) if algo.needs_prox_logp else None
-    ref = every_row(lambda b: reference.logp(b, temperature)) if reference is not None else None
+    k = algo.config.distill_topk
+    teacher = None
+    if reference is not None and k > 0:
+        # one teacher forward (or call) for its log-probs and its top-k; every rank holds the whole batch and asks
+        # for all of it (the top-k is not split over ranks)
+        ref, teacher = reference.logp_and_top(batch, temperature, k)
+    else:
+        ref = every_row(lambda b: reference.logp(b, temperature)) if reference is not None else None
     if ref is not None:
         start = prox if prox is not None else every_row(lambda b: forwards.frozen_logp(b, temperature))
         metrics["kl_ref_k3"] = kl_to_reference(start, ref, batch.loss_mask)
-    k = algo.config.distill_topk
-    # every rank holds the whole batch: each computes the teacher's top-k (a no-grad forward) for all of it
-    teacher = reference.top_logprobs(batch, temperature, k) if k > 0 and reference is not None else None
     old_values = critic.frozen_values(batch) if critic is not None else None
     phases["recompute"] = time.perf_counter() - started  # no-grad forwards: prox, reference, critic
     result = algo.compute_advantages(

@@ -54,10 +54,13 @@ def test_the_served_teachers_log_probs_are_the_loaded_ones(teacher, tiny_qwen3):
         torch.testing.assert_close(served.logp(batch, temperature)[real], local.logp(batch, temperature)[real],
                                    atol=2e-5, rtol=0)
     assert served.calls == 5 + 2 * 2  # the tokenizer probes, then two calls a batch
-    for temperature in (1.0, 0.7):   # the top-k of distill_topk, over HTTP with token-id keys
-        theirs, mine = served.top_logprobs(batch, temperature, 5), local.top_logprobs(batch, temperature, 5)
+    for temperature in (1.0, 0.7):   # with the top-k of distill_topk, over HTTP with token-id keys
+        (their_logp, theirs), (my_logp, mine) = (r.logp_and_top(batch, temperature, 5) for r in (served, local))
+        torch.testing.assert_close(their_logp[real], my_logp[real], atol=2e-5, rtol=0)
+        torch.testing.assert_close(their_logp[real], local.logp(batch, temperature)[real], atol=2e-5, rtol=0)
         assert torch.equal(theirs.ids[real], mine.ids[real])
         torch.testing.assert_close(theirs.logp[real], mine.logp[real], atol=2e-5, rtol=0)
+    assert served.calls == 5 + 2 * 2 + 2 * 2  # the same two calls a batch with the top-k
 
 
 def test_a_teacher_reading_text_differently_is_refused(teacher, vlm_tokenizer):
